@@ -1,0 +1,3 @@
+from cpchat.cli import entry
+
+entry()

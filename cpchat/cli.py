@@ -1,0 +1,137 @@
+"""Argument parsing for every entry point: the app, `cpchat rank`, `cpchat bench`."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import stat
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_USAGE, EXIT_BACKEND = 0, 2, 3
+
+
+def app_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cpchat",
+        description="Chat over very long contexts with context-parallel attention across rank processes.",
+        epilog="Subcommands: 'cpchat rank --help' (serve a rank), 'cpchat bench --help' (benchmarks).",
+    )
+    p.add_argument("--model", help="mlx-lm model directory (default: the built-in demo model)")
+    p.add_argument("--ranks", type=int, default=None, help="launch N local rank processes (default 2)")
+    ring = p.add_mutually_exclusive_group()
+    ring.add_argument("--attach", metavar="ADDR,...", help="use running ranks, in ring order (host:port,...)")
+    ring.add_argument("--hostfile", metavar="FILE", help="one host:port per line, '#' comments")
+    p.add_argument("--token-file", metavar="FILE", help="shared secret for ranks reached over a network")
+    p.add_argument("--tls-ca", metavar="FILE", help="CA certificate to verify ranks' TLS certificates")
+    p.add_argument("--algorithm", choices=["auto", "pass_kv", "pass_q"], default=None)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temp", type=float, default=None, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--headless", action="store_true", help="no TUI: a scripted run")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="the user message (headless)")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="read the user message from a file (headless)")
+    p.add_argument("--doc", action="append", default=[], metavar="FILE", help="document for the first turn")
+    p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
+    p.add_argument("--json", action="store_true", help="headless output as JSON lines")
+    p.add_argument("--resume", action="store_true", help="reopen the last saved transcript (TUI)")
+    p.add_argument("--print-config", action="store_true", help="show the settings and where each came from")
+    return p
+
+
+def rank_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cpchat rank", description="Serve one rank of a cpchat ring.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=7070, help="port to bind; 0 picks a free one and reports it")
+    p.add_argument("--token-file", metavar="FILE", help="shared secret; required to bind a non-loopback host")
+    p.add_argument("--tls-cert", metavar="FILE")
+    p.add_argument("--tls-key", metavar="FILE")
+    p.add_argument("--tls-ca", metavar="FILE", help="CA to verify the next rank's certificate")
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+class UsageError(Exception):
+    pass
+
+
+def read_token(path: str) -> str:
+    try:
+        mode = os.stat(path).st_mode
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise UsageError(f"cannot read token file {path}: {e.strerror}") from None
+    if not token:
+        raise UsageError(f"token file {path} is empty")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        print(f"cpchat: warning: token file {path} is readable by others (chmod 600 it)", file=sys.stderr)
+    return token
+
+
+def read_bytes(path: str | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read {what} {path}: {e.strerror}") from None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_rank(argv: list[str]) -> int:
+    from cpchat.rank.server import serve
+
+    args = rank_parser().parse_args(argv)
+    try:
+        token = read_token(args.token_file) if args.token_file else None
+        if not is_loopback(args.host) and token is None:
+            raise UsageError(f"binding {args.host} needs --token-file: ranks off loopback must authenticate")
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise UsageError("--tls-cert and --tls-key go together")
+        serve(
+            args.host, args.port, token,
+            tls_cert=read_bytes(args.tls_cert, "TLS certificate"),
+            tls_key=read_bytes(args.tls_key, "TLS key"),
+            tls_ca=read_bytes(args.tls_ca, "CA certificate"),
+            parent_pid=args.parent_pid,
+        )
+    except UsageError as e:
+        print(f"cpchat rank: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (OSError, RuntimeError) as e:
+        print(f"cpchat rank: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["rank"]:
+        return run_rank(argv[1:])
+    if argv[:1] == ["bench"]:
+        from cpchat.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    args = app_parser().parse_args(argv)
+    if args.headless:
+        from cpchat.headless import run_headless
+
+        return run_headless(args)
+    from cpchat.tui.app import run_app
+
+    return run_app(args)
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""A ring of ranks as the front end sees it: launch or attach, configure,
+load, generate, watch health, and tear down. Reaches ranks only over gRPC."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+
+from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks
+from cpchat.protocol import cpchat_pb2 as pb
+from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
+
+TOKEN_HEADER = "x-cpchat-token"
+HEALTH_INTERVAL_S = 1.0
+HEALTH_DEADLINE_S = 2.0
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 16 << 20),
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class BackendError(RuntimeError):
+    """A rank failed, stopped answering, or refused; the message names it."""
+
+
+class BadInput(ValueError):
+    """The user asked for something that cannot work (bad model path, bad address)."""
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    model_type: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    bytes_per_element: int
+    max_context: int
+
+
+@dataclass
+class RankHandle:
+    rank: int
+    address: str
+    channel: grpc.Channel
+    control: pb_grpc.ControlStub
+    local: LocalRank | None = None
+    state: str = "starting"
+
+    @property
+    def label(self) -> str:
+        return f"rank {self.rank} ({self.address})"
+
+
+@dataclass
+class RankResult:
+    done: pb.GenerateDone | None = None
+    error: str | None = None
+
+
+@dataclass
+class GenerationWatch:
+    """What a running generation knows about where it is, for error messages."""
+
+    phase: str = "prefill"
+    layer: int = 0
+    failure: str | None = None
+    results: dict[int, RankResult] = field(default_factory=dict)
+
+
+def parse_addresses(text: str) -> list[str]:
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise BadInput(f"bad rank address {a!r}: expected host:port")
+    if not addresses:
+        raise BadInput("no rank addresses given")
+    return addresses
+
+
+def read_hostfile(path: str) -> list[str]:
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise BadInput(f"cannot read hostfile {path}: {e.strerror}") from None
+    entries = [ln.split("#", 1)[0].strip() for ln in lines]
+    return parse_addresses(",".join(e for e in entries if e))
+
+
+class Cluster:
+    def __init__(
+        self,
+        addresses: list[str],
+        token: str | None = None,
+        tls_ca: bytes | None = None,
+        local: list[LocalRank] | None = None,
+    ) -> None:
+        self.token, self.tls_ca = token, tls_ca
+        self.metadata = ((TOKEN_HEADER, token),) if token else ()
+        self.ranks: list[RankHandle] = []
+        for i, address in enumerate(addresses):
+            if tls_ca is not None:
+                channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca), CHANNEL_OPTIONS)
+            else:
+                channel = grpc.insecure_channel(address, CHANNEL_OPTIONS)
+            handle = RankHandle(i, address, channel, pb_grpc.ControlStub(channel))
+            handle.local = local[i] if local else None
+            self.ranks.append(handle)
+        self.model: ModelInfo | None = None
+        self.flops_per_s = 0.0
+        self.ring_bytes_per_s = 0.0
+        self.ring_id = ""
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(addresses)))
+        self._current_request = ""
+        self._lock = threading.Lock()
+        self.last_results: dict[int, RankResult] = {}
+
+    # ---- life cycle
+
+    @classmethod
+    def launch(cls, num_ranks: int, fast_blas: bool = True) -> Cluster:
+        try:
+            local = launch_local_ranks(num_ranks, fast_blas)
+        except LaunchError as e:
+            raise BackendError(str(e)) from None
+        return cls([r.address for r in local], local=local)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_local(self) -> bool:
+        return all(r.local is not None for r in self.ranks)
+
+    def _each(self, fn: Callable[[RankHandle], object]) -> list[object]:
+        """Run fn on every rank at once; the first failure becomes a BackendError naming the rank."""
+        futures = [self._pool.submit(fn, r) for r in self.ranks]
+        results, errors = [], []
+        for r, f in zip(self.ranks, futures):
+            try:
+                results.append(f.result())
+            except grpc.RpcError as e:
+                r.state = "failed"
+                errors.append(self._describe(r, e))
+        if errors:
+            raise BackendError(errors[0])
+        return results
+
+    def _describe(self, r: RankHandle, e: grpc.RpcError, phase: str = "") -> str:
+        code = e.code()
+        where = f" during {phase}" if phase else ""
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            detail = e.details() or ""
+            if "ailed to connect" in detail or "onnection refused" in detail:
+                return f"{r.label} is unreachable{where}"
+            return f"{r.label} stopped answering{where}"
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return f"{r.label} refused the connection: wrong or missing token"
+        return f"{r.label}: {e.details() or code.name}"
+
+    def connect(self, timeout: float = 10.0) -> None:
+        """Wait until every rank answers, then tell each its place in the ring."""
+
+        def health(r: RankHandle) -> None:
+            r.control.Health(pb.HealthRequest(), timeout=timeout, metadata=self.metadata, wait_for_ready=True)
+
+        self._each(health)
+        self.ring_id = uuid.uuid4().hex
+        addresses = [r.address for r in self.ranks]
+
+        def configure(r: RankHandle) -> None:
+            r.control.Configure(pb.ConfigureRequest(rank=r.rank, addresses=addresses, ring_id=self.ring_id),
+                                timeout=timeout, metadata=self.metadata)
+            r.state = "idle"
+
+        self._each(configure)
+
+    def load(self, model: str, on_progress: Callable[[int, int], None] | None = None) -> ModelInfo:
+        """Load the model on every rank (each from its own disk)."""
+        done = [0]
+        lock = threading.Lock()
+
+        def load_one(r: RankHandle) -> pb.LoadProgress:
+            r.state = "loading"
+            last = None
+            for progress in r.control.LoadModel(pb.LoadModelRequest(model=model), metadata=self.metadata):
+                last = progress
+            r.state = "ready"
+            with lock:
+                done[0] += 1
+                if on_progress:
+                    on_progress(done[0], self.size)
+            return last
+
+        try:
+            infos = self._each(load_one)
+        except BackendError as e:
+            if "cannot load model" in str(e) or "not supported" in str(e):
+                raise BadInput(str(e).split(": ", 1)[-1]) from None
+            raise
+        p = infos[0]
+        self.model = ModelInfo(model, p.model_type, p.num_layers, p.num_q_heads, p.num_kv_heads,
+                               p.vocab_size, p.bytes_per_element, p.max_context)
+        results = self._each(lambda r: r.control.Calibrate(pb.CalibrateRequest(), timeout=30, metadata=self.metadata))
+        self.flops_per_s = min(c.flops_per_s for c in results)
+        self.ring_bytes_per_s = min(c.ring_bytes_per_s for c in results)
+        return self.model
+
+    def close(self) -> None:
+        """Shut local ranks down (and wait for them); leave attached ranks running."""
+        for r in self.ranks:
+            if r.local is not None:
+                try:
+                    r.control.Shutdown(pb.ShutdownRequest(), timeout=1.0, metadata=self.metadata)
+                except grpc.RpcError:
+                    pass
+        for r in self.ranks:
+            if r.local is not None:
+                r.local.stop()
+            r.channel.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- requests
+
+    def reset(self, keep_tokens: int = 0) -> None:
+        self._each(lambda r: r.control.Reset(pb.ResetRequest(keep_tokens=keep_tokens), timeout=30,
+                                             metadata=self.metadata))
+
+    def cancel(self) -> None:
+        request_id = self._current_request
+        for r in self.ranks:
+            try:
+                r.control.Cancel(pb.CancelRequest(request_id=request_id), timeout=2.0, metadata=self.metadata)
+            except grpc.RpcError:
+                pass
+
+    def generate(self, request: pb.GenerateRequest) -> Iterator[pb.GenerateEvent]:
+        """Run one request on every rank; yield rank 0's events (progress, prefill,
+        tokens, then done). A failing rank cancels the others and raises BackendError."""
+        if not self._lock.acquire(blocking=False):
+            raise BackendError("a generation is already running on this cluster")
+        request.request_id = request.request_id or uuid.uuid4().hex
+        self._current_request = request.request_id
+        watch = GenerationWatch()
+        self.last_results = watch.results
+        events: queue.Queue = queue.Queue()
+        finished = threading.Event()
+        try:
+            streams = [r.control.Generate(request, metadata=self.metadata) for r in self.ranks]
+            readers = [self._pool.submit(self._read, r, s, watch, events) for r, s in zip(self.ranks, streams)]
+            monitor = threading.Thread(target=self._monitor, args=(watch, finished, events), daemon=True)
+            monitor.start()
+            remaining = len(self.ranks)
+            while remaining:
+                kind, payload = events.get()
+                if kind == "end":
+                    remaining -= 1
+                elif kind == "event":
+                    yield payload
+                elif kind == "failure" and watch.failure is None:
+                    watch.failure = payload
+                    self._abort_all(streams)
+            for f in readers:
+                f.result()
+            if watch.failure:
+                raise BackendError(watch.failure)
+            done = watch.results[0].done
+            yield pb.GenerateEvent(done=done)
+        finally:
+            finished.set()
+            self._current_request = ""
+            self._lock.release()
+
+    def _read(self, r: RankHandle, stream, watch: GenerationWatch, events: queue.Queue) -> None:
+        result = watch.results.setdefault(r.rank, RankResult())
+        r.state = "busy"
+        try:
+            for event in stream:
+                which = event.WhichOneof("event")
+                if which == "done":
+                    result.done = event.done
+                elif r.rank == 0:
+                    if which == "prefill":
+                        watch.phase = "decode"
+                    elif which == "progress":
+                        watch.layer = event.progress.layer
+                    events.put(("event", event))
+            r.state = "ready"
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED and watch.failure:
+                r.state = "ready"
+            else:
+                r.state = "failed" if e.code() in (grpc.StatusCode.UNAVAILABLE,) else "ready"
+                result.error = self._describe(r, e, self._phase(watch))
+                events.put(("failure", result.error))
+        finally:
+            events.put(("end", r.rank))
+
+    def _phase(self, watch: GenerationWatch) -> str:
+        if watch.phase == "prefill" and watch.layer:
+            return f"prefill, layer {watch.layer}"
+        return watch.phase
+
+    def _monitor(self, watch: GenerationWatch, finished: threading.Event, events: queue.Queue) -> None:
+        """Ping every rank while the generation runs: a hung rank is named within seconds."""
+        while not finished.wait(HEALTH_INTERVAL_S):
+            for r in self.ranks:
+                try:
+                    r.control.Health(pb.HealthRequest(), timeout=HEALTH_DEADLINE_S, metadata=self.metadata)
+                except grpc.RpcError as e:
+                    if finished.is_set():
+                        return
+                    r.state = "failed"
+                    events.put(("failure", self._describe(r, e, self._phase(watch))))
+                    return
+
+    def _abort_all(self, streams) -> None:
+        """Stop the request on every surviving rank (their KV rolls back)."""
+        self.cancel()
+        for s in streams:
+            s.cancel()
+
+    def stats(self, interval_s: float = 0.25) -> Iterator[tuple[int, pb.RankStats]]:
+        """Merge the ranks' stats streams; runs until close() or a rank drops."""
+        out: queue.Queue = queue.Queue()
+
+        def follow(r: RankHandle) -> None:
+            try:
+                for s in r.control.Stats(pb.StatsRequest(interval_s=interval_s), metadata=self.metadata):
+                    out.put((r.rank, s))
+            except grpc.RpcError:
+                pass
+            out.put((r.rank, None))
+
+        for r in self.ranks:
+            threading.Thread(target=follow, args=(r,), daemon=True).start()
+        open_streams = len(self.ranks)
+        while open_streams:
+            rank, s = out.get()
+            if s is None:
+                open_streams -= 1
+                continue
+            yield rank, s

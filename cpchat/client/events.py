@@ -1,0 +1,114 @@
+"""What a generation reports to its front end (TUI or headless).
+
+These plain dataclasses are the client's public vocabulary: the headless
+`--json` events of design §1 are exactly `asdict()` of the first five, with
+an "event" key added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RankAddress:
+    rank: int
+    address: str
+
+
+@dataclass
+class Ready:
+    model: str
+    ranks: list[RankAddress]
+
+
+@dataclass
+class Prefill:
+    turn: int
+    new_tokens: int
+    cached_tokens: int
+    algorithm: str
+    ms: float
+
+
+@dataclass
+class Token:
+    turn: int
+    id: int
+    text: str
+    logprob: float
+
+
+@dataclass
+class RankUsage:
+    rank: int
+    kv_tokens: int
+    kv_bytes: int
+    rss_bytes: int
+
+
+@dataclass
+class Done:
+    turn: int
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_ms: float
+    decode_tokens_per_s: float
+    ranks: list[RankUsage]
+
+
+@dataclass
+class Error:
+    message: str
+
+
+@dataclass
+class Progress:
+    """Long work under way: loading the model, or prefill layer by layer."""
+
+    phase: str  # "load" | "prefill"
+    done: int
+    total: int
+
+
+EVENT_NAMES = {Ready: "ready", Prefill: "prefill", Token: "token", Done: "done", Error: "error"}
+
+
+@dataclass
+class RingStep:
+    layer: int
+    step: int
+    compute_ms: float
+    wait_ms: float
+    bytes_sent: int
+
+
+@dataclass
+class RankStats:
+    """One rank's live state, as its stats stream reports it."""
+
+    rank: int
+    address: str
+    state: str  # "loading" | "ready" | "busy" | "failed"
+    kv_tokens: int = 0
+    kv_bytes: int = 0
+    rss_bytes: int = 0
+    mlx_active_bytes: int = 0
+    mlx_peak_bytes: int = 0
+    algorithm: str = ""
+    ring_steps: list[RingStep] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class AlgorithmChoice:
+    """Why the ring algorithm of the last prefill was chosen (for the Ring panel)."""
+
+    algorithm: str
+    forced: bool
+    new_tokens: int
+    cached_tokens: int
+    miss_rate: float
+    miss_rate_threshold: float
+    token_threshold: float
+    reason: str

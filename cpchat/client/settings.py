@@ -1,0 +1,121 @@
+"""Settings: built-in defaults < config file < CPCHAT_* environment < flags.
+
+The config file is TOML at <user config dir>/cpchat/config.toml, e.g.
+
+    model = "~/models/Qwen3-4B-4bit"
+    ranks = 4
+    algorithm = "auto"
+    max_tokens = 512
+    temp = 0.0
+    theme = "textual-dark"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from cpchat.client.cluster import BadInput
+
+REPO_ASSETS = Path(__file__).resolve().parents[2] / "assets"
+
+
+def config_dir() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "cpchat"
+
+
+def data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "cpchat"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "cpchat"
+
+
+@dataclass
+class Settings:
+    model: str = ""
+    ranks: int = 2
+    algorithm: str = "auto"
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    theme: str = "textual-dark"
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+_KEYS = {f.name: f.type for f in fields(Settings) if f.name != "sources"}
+_CASTS = {"model": str, "ranks": int, "algorithm": str, "max_tokens": int, "temp": float,
+          "top_p": float, "seed": int, "theme": str}
+
+
+def _set(settings: Settings, key: str, value: object, source: str) -> None:
+    try:
+        value = _CASTS[key](value)
+    except (TypeError, ValueError):
+        raise BadInput(f"setting {key} from {source}: {value!r} is not a valid {_CASTS[key].__name__}") from None
+    if key == "algorithm" and value not in ("auto", "pass_kv", "pass_q"):
+        raise BadInput(f"setting algorithm from {source}: {value!r} is not auto, pass_kv or pass_q")
+    if key == "ranks" and value < 1:
+        raise BadInput(f"setting ranks from {source}: must be at least 1")
+    setattr(settings, key, value)
+    settings.sources[key] = source
+
+
+def resolve_settings(args: argparse.Namespace, config_file: Path | None = None) -> Settings:
+    settings = Settings()
+    settings.sources = {key: "default" for key in _CASTS}
+    path = config_file or config_dir() / "config.toml"
+    if path.exists():
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise BadInput(f"cannot read config file {path}: {e}") from None
+        for key, value in data.items():
+            if key not in _CASTS:
+                raise BadInput(f"unknown setting {key!r} in {path}")
+            _set(settings, key, value, str(path))
+    for key in _CASTS:
+        env = os.environ.get(f"CPCHAT_{key.upper()}")
+        if env is not None:
+            _set(settings, key, env, f"CPCHAT_{key.upper()}")
+    flags = {"model": args.model, "ranks": args.ranks, "algorithm": args.algorithm,
+             "max_tokens": args.max_tokens, "temp": args.temp, "top_p": args.top_p, "seed": args.seed}
+    for key, value in flags.items():
+        if value is not None:
+            _set(settings, key, value, "flag --" + key.replace("_", "-"))
+    return settings
+
+
+def demo_model() -> tuple[Path, str]:
+    """The built-in demo model and a plain description of it."""
+    trained = REPO_ASSETS / "demo-model"
+    if (trained / "config.json").exists():
+        return trained, "the built-in demo model (a small llama trained to answer from documents)"
+    from cpchat.smallmodels import write_model
+
+    path = cache_dir() / "random-demo-model"
+    if not (path / "model.safetensors").exists():
+        write_model(path, "llama", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)
+    return path, "a random-weights llama (no trained demo model is installed): it shows the machinery only"
+
+
+def resolve_model(model: str) -> tuple[str, str]:
+    if not model:
+        path, description = demo_model()
+        return str(path), description
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise BadInput(f"{model} is not an mlx-lm model directory (no config.json)")
+        return str(path.resolve()), str(path)
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        raise BadInput(f"model {model!r} is not a local directory, and this machine cannot download from a hub")
+    raise BadInput(f"model path {model} does not exist")

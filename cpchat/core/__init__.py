@@ -1,0 +1,1 @@
+"""Pure tensor math of context parallelism: no I/O, no processes."""

@@ -1,0 +1,118 @@
+"""Evaluate the demo model: exact-match accuracy by context length and fact position.
+
+    python -m cpchat.demo.evaluate --model assets/demo-model --lengths 1024,2048,4096 --n 20
+
+The generation function is pluggable (`evaluate(generate_fn, ...)`): by
+default it is mlx-lm in this process with greedy decoding; the same table can
+be made through N context-parallel ranks by passing another function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from cpchat.demo.data import NOT_FOUND, make_example, render_user_turn
+
+# generate_fn(doc_name, doc_text, question) -> the answer text
+GenerateFn = Callable[[str, str, str], str]
+POSITION_CELLS = ("start", "middle", "end", "absent")
+TOKENS_PER_SENTENCE = 11.2  # measured with the demo tokenizer; documents are sized by it
+
+
+def mlx_generate_fn(model_path: str | Path, max_tokens: int = 48) -> GenerateFn:
+    """Single-process mlx-lm generation with greedy decoding."""
+    from mlx_lm import generate, load
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = load(str(model_path))
+    sampler = make_sampler(temp=0.0)
+
+    def fn(doc_name: str, doc_text: str, question: str) -> str:
+        messages = [{"role": "user", "content": render_user_turn(doc_name, doc_text, question)}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, verbose=False)
+
+    return fn
+
+
+def evaluate(
+    generate_fn: GenerateFn,
+    lengths: Sequence[int],
+    positions: Sequence[str] = POSITION_CELLS,
+    n_per_cell: int = 20,
+    seed: int = 1234,
+    tokens_per_sentence: float = TOKENS_PER_SENTENCE,
+    log: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Run held-out examples; one row per (length, position) with n, correct and accuracy.
+
+    `lengths` are approximate prompt lengths in tokens. Position "absent"
+    asks about a fact the document does not hold (answer: NOT_FOUND).
+    Held-out: the seed differs from training's, and every cell has its own stream.
+    """
+    rows = []
+    for length in lengths:
+        for position in positions:
+            rng = random.Random(f"{seed}-{length}-{position}")
+            n_filler = max(1, round(length / tokens_per_sentence) - 8)
+            correct = 0
+            t0 = time.time()
+            for _ in range(n_per_cell):
+                absent = position == "absent"
+                ex = make_example(rng, n_filler, position=None if absent else position,
+                                  p_absent=1.0 if absent else 0.0)
+                question, answer = ex.turns[0]
+                got = generate_fn(ex.doc_name, ex.doc_text, question).strip()
+                correct += got == answer
+                if log and got != answer:
+                    log(f"  miss len={length} pos={position}: want {answer!r} got {got!r}")
+            row = {"length": length, "position": position, "n": n_per_cell, "correct": correct,
+                   "accuracy": correct / n_per_cell, "seconds": round(time.time() - t0, 1)}
+            rows.append(row)
+            if log:
+                log(json.dumps(row))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table: one line per length, one column per position, plus the overall accuracy."""
+    positions = list(dict.fromkeys(r["position"] for r in rows))
+    lines = ["| context (tokens) | " + " | ".join(positions) + " | all |",
+             "|---:|" + "---:|" * (len(positions) + 1)]
+    for length in dict.fromkeys(r["length"] for r in rows):
+        cells = {r["position"]: r for r in rows if r["length"] == length}
+        n = sum(c["n"] for c in cells.values())
+        ok = sum(c["correct"] for c in cells.values())
+        lines.append(f"| {length} | " + " | ".join(
+            f"{cells[p]['correct']}/{cells[p]['n']}" if p in cells else "" for p in positions
+        ) + f" | {100 * ok / n:.0f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="assets/demo-model")
+    ap.add_argument("--lengths", default="1024,2048,4096,8192")
+    ap.add_argument("--positions", default=",".join(POSITION_CELLS))
+    ap.add_argument("--n", type=int, default=20, help="examples per (length, position) cell")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    fn = mlx_generate_fn(args.model)
+    rows = evaluate(fn, [int(x) for x in args.lengths.split(",")], args.positions.split(","), args.n,
+                    args.seed, log=(lambda s: print(s, flush=True)) if args.verbose else None)
+    print(format_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
+
+__all__ = ["NOT_FOUND", "GenerateFn", "evaluate", "format_table", "mlx_generate_fn"]

@@ -1,0 +1,337 @@
+"""Train the built-in demo model (run by hand, not by CI).
+
+    python -m cpchat.demo.train --out assets/demo-model
+
+A small llama learns to answer questions about an attached document from
+generated examples (cpchat.demo.data), with loss only on the answer tokens.
+Training runs in PyTorch on the CPU (faster per step than MLX there) and the
+result is saved as an mlx-lm model directory.
+
+Length generalisation: retrieval must work far past the training length, so
+(1) rope_theta is large, leaving most rotary frequencies nearly still, and
+(2) half of the batches use skipped position ids (PoSE): position jumps at
+sentence boundaries inside the document, so relative distances up to
+`--pos-span` are seen while sequences stay short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpchat.demo.data import make_example, render_document, tokenizer_corpus
+from cpchat.smallmodels import EOS_TOKEN, model_config, train_tokenizer, vocab_size_index
+
+
+# ---------------------------------------------------------------- the model (mlx-lm llama layout)
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, nh: int, nkv: int):
+        super().__init__()
+        self.nh, self.nkv, self.hd = nh, nkv, d // nh
+        self.q_proj = nn.Linear(d, nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(d, nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(d, nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(nh * self.hd, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nkv != self.nh)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Non-traditional (half-split) rotary embedding, as mlx's nn.RoPE(traditional=False)."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, ff: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, ff, bias=False)
+        self.up_proj = nn.Linear(d, ff, bias=False)
+        self.down_proj = nn.Linear(ff, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, d: int, nh: int, nkv: int, ff: int):
+        super().__init__()
+        self.self_attn = Attention(d, nh, nkv)
+        self.mlp = MLP(d, ff)
+        self.input_layernorm = RMSNorm(d)
+        self.post_attention_layernorm = RMSNorm(d)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Inner(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        d = cfg["hidden_size"]
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], d)
+        self.layers = nn.ModuleList(
+            Layer(d, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"])
+            for _ in range(cfg["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(d)
+
+
+class Llama(nn.Module):
+    """Parameter names match mlx-lm's llama, so the state dict saves as-is."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Inner(cfg)
+        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        hd = cfg["head_dim"]
+        inv = cfg["rope_theta"] ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * cfg["num_hidden_layers"]) if name.endswith(("o_proj.weight",
+                                                                                        "down_proj.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        ang = (pos.to(torch.float64)[..., None] * self.inv_freq).float()[:, None]  # B,1,T,hd/2
+        cos, sin = ang.cos(), ang.sin()
+        x = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.model.norm(x))
+
+
+# ---------------------------------------------------------------- data
+class Encoder:
+    """Turns an Example into token ids, a loss mask (answer tokens) and gap points for PoSE."""
+
+    def __init__(self, tokenizer_path: Path):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(tokenizer_path))
+
+    def ids(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def pieces(self, ex) -> list[tuple[str, int]]:
+        """(text, kind) pieces whose encodings concatenate to the encoding of the chat text.
+
+        kind: 0 prompt, 1 answer (loss), 2 document sentence (a position gap may precede it).
+        """
+        out: list[tuple[str, int]] = []
+        for i, (question, answer) in enumerate(ex.turns):
+            out.append(("<|im_start|>user\n", 0))
+            if i == 0:
+                head = render_document(ex.doc_name, "\x00").split("\x00")[0]
+                out.append((head, 0))
+                out += [(s, 2) for s in ex.sentences]
+                out.append(("\n</document>\n\n", 0))
+            out.append((f"{question}<|im_end|>\n<|im_start|>assistant\n", 0))
+            out.append((f"{answer}{EOS_TOKEN}", 1))
+            out.append(("\n", 0))
+        return out[:-1]
+
+    def encode(self, ex) -> tuple[list[int], list[int], list[int]]:
+        ids: list[int] = []
+        mask: list[int] = []
+        gaps: list[int] = []  # token indices where a position jump is allowed
+        for text, kind in self.pieces(ex):
+            t = self.ids(text)
+            if kind == 2:
+                gaps.append(len(ids))
+            ids += t
+            mask += [1 if kind == 1 else 0] * len(t)
+        return ids, mask, gaps
+
+    def check(self, ex) -> None:
+        from jinja2 import Template
+
+        from cpchat.smallmodels import CHAT_TEMPLATE
+
+        text = Template(CHAT_TEMPLATE).render(messages=ex.messages(), add_generation_prompt=False)
+        assert self.ids(text.rstrip("\n")) == self.encode(ex)[0], "piecewise encoding differs"
+
+
+def make_batch(rng: random.Random, enc: Encoder, n_tokens: int, max_len: int, pos_span: int,
+               p_pose: float, tok_per_sentence: float):
+    """A batch of examples of similar length, about `n_tokens` tokens in all."""
+    target = int(math.exp(rng.uniform(math.log(96), math.log(max_len))))
+    bsz = max(1, n_tokens // target)
+    seqs = []
+    for _ in range(bsz):
+        n_filler = max(1, int(rng.uniform(0.7, 1.0) * target / tok_per_sentence) - 8)
+        ex = make_example(rng, n_filler, n_questions=rng.choice((1, 2, 3, 4)))
+        ids, mask, gaps = enc.encode(ex)
+        ids, mask = ids[:max_len], mask[:max_len]
+        pos = np.arange(len(ids))
+        if rng.random() < p_pose and gaps:
+            extra = rng.randint(0, max(0, pos_span - len(ids)))
+            cuts = sorted(rng.sample(gaps, min(len(gaps), rng.randint(1, 4))))
+            shares = np.random.default_rng(rng.randrange(1 << 30)).dirichlet(np.ones(len(cuts))) * extra
+            for c, s in zip(cuts, shares):
+                pos[c:] += int(s)
+        seqs.append((ids, mask, pos))
+    t = max(len(s[0]) for s in seqs)
+    ids = torch.zeros(len(seqs), t, dtype=torch.long)
+    mask = torch.zeros(len(seqs), t)
+    pos = torch.zeros(len(seqs), t, dtype=torch.long)
+    for i, (a, m, p) in enumerate(seqs):
+        ids[i, :len(a)] = torch.tensor(a)
+        mask[i, :len(m)] = torch.tensor(m, dtype=torch.float)
+        pos[i, :len(p)] = torch.tensor(p)
+        pos[i, len(p):] = int(p[-1]) + 1 + torch.arange(t - len(p))
+    return ids, mask, pos
+
+
+def loss_and_match(model: Llama, ids, mask, pos):
+    """Mean answer-token loss, and per-sequence exact match of the teacher-forced argmax.
+
+    Every answer token being the argmax on the gold path is exactly greedy decoding's success.
+    """
+    logits = model(ids[:, :-1], pos[:, :-1]).float()
+    tgt, m = ids[:, 1:], mask[:, 1:]
+    nll = F.cross_entropy(logits.transpose(1, 2), tgt, reduction="none")
+    loss = (nll * m).sum() / m.sum()
+    wrong = ((logits.argmax(-1) != tgt).float() * m).sum(1)
+    return loss, (wrong == 0).float()
+
+
+# ---------------------------------------------------------------- saving
+def save(model: Llama, tok_dir: Path, out: Path, meta: dict) -> None:
+    """Write an mlx-lm model directory (atomically replacing `out`)."""
+    import mlx.core as mx
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, tmp / name)
+    weights = {k: mx.array(v.detach().float().numpy()) for k, v in model.state_dict().items()}
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(model.cfg, indent=2))
+    (tmp / "training.json").write_text(json.dumps(meta, indent=2))
+    readme = out / "README.md"
+    if readme.exists():
+        shutil.copy(readme, tmp / "README.md")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("assets/demo-model"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--max-len", type=int, default=1024, help="longest training sequence (tokens)")
+    ap.add_argument("--pos-span", type=int, default=32768, help="largest position id seen (PoSE)")
+    ap.add_argument("--p-pose", type=float, default=0.5)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--ff", type=int, default=512)
+    ap.add_argument("--rope-theta", type=float, default=1e6)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--bf16", type=int, default=1, help="bfloat16 autocast (2x faster on the CPU)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--save-every", type=int, default=250)
+    ap.add_argument("--time-steps", type=int, default=0, help="only time this many steps, then exit")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    tok_dir = args.out.with_name(args.out.name + ".tok")
+    vocab = train_tokenizer(tok_dir, args.vocab, tokenizer_corpus(args.seed), individual_digits=True)
+    enc = Encoder(tok_dir / "tokenizer.json")
+    check_rng = random.Random(args.seed + 1)
+    lengths = []
+    for _ in range(50):
+        ex = make_example(check_rng, 40, n_questions=3)
+        enc.check(ex)
+        lengths.append(sum(len(enc.ids(s)) for s in ex.sentences) / len(ex.sentences))
+    tok_per_sentence = float(np.mean(lengths))
+    print(f"vocab {vocab}, {tok_per_sentence:.1f} tokens per sentence", flush=True)
+
+    cfg = model_config("llama", vocab, args.hidden, args.layers, args.heads, args.kv_heads, args.ff,
+                       rope_theta=args.rope_theta)
+    cfg["eos_token_id"] = vocab_size_index(tok_dir, EOS_TOKEN)
+    model = Llama(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{n_params / 1e6:.2f}M parameters", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
+    warmup = min(200, args.steps // 10)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return args.lr * (step + 1) / warmup
+        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (args.steps - warmup))))
+
+    t0 = time.time()
+    hist_loss: list[float] = []
+    hist_em: list[float] = []
+    for step in range(args.steps):
+        # curriculum: the longest sequence grows from 192 tokens to max_len over the first 40% of steps
+        cap = int(min(args.max_len, 192 + (args.max_len - 192) * step / (0.4 * args.steps)))
+        ids, mask, pos = make_batch(rng, enc, args.batch_tokens, cap, args.pos_span, args.p_pose,
+                                    tok_per_sentence)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args.bf16)):
+            loss, em = loss_and_match(model, ids, mask, pos)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        hist_loss.append(loss.item())
+        hist_em.append(em.mean().item())
+        if args.time_steps and step + 1 >= args.time_steps:
+            print(f"{(time.time() - t0) / (step + 1):.3f} s/step at cap {cap}", flush=True)
+            return
+        if (step + 1) % 25 == 0:
+            print(f"step {step + 1} cap {cap} loss {np.mean(hist_loss[-25:]):.4f} "
+                  f"em {np.mean(hist_em[-25:]):.3f} lr {lr_at(step):.2e} {time.time() - t0:.0f}s", flush=True)
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            meta = {"args": {k: str(v) for k, v in vars(args).items()}, "step": step + 1,
+                    "seconds": round(time.time() - t0), "parameters": n_params,
+                    "train_em_last100": float(np.mean(hist_em[-100:]))}
+            save(model, tok_dir, args.out, meta)
+            print(f"saved {args.out} at step {step + 1}", flush=True)
+    print(f"done in {time.time() - t0:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""`cpchat --headless`: scripted runs with plain text or JSON-lines output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+from cpchat.cli import EXIT_BACKEND, EXIT_OK, EXIT_USAGE
+from cpchat.client.cluster import BackendError, BadInput, Cluster, parse_addresses, read_hostfile
+from cpchat.client.events import EVENT_NAMES, Error, RankAddress, Ready, Token
+from cpchat.client.session import SamplingOptions, Session, load_tokenizer
+from cpchat.client.settings import resolve_model, resolve_settings
+
+
+class Output:
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+
+    def event(self, ev: object) -> None:
+        name = EVENT_NAMES.get(type(ev))
+        if self.as_json:
+            if name:
+                print(json.dumps({"event": name, **asdict(ev)}), flush=True)
+        elif isinstance(ev, Token):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+
+    def end_turn(self) -> None:
+        if not self.as_json:
+            print(flush=True)
+
+    def error(self, message: str) -> None:
+        if self.as_json:
+            self.event(Error(message))
+        print(f"cpchat: {message}", file=sys.stderr, flush=True)
+
+
+def read_turns(args: argparse.Namespace) -> Iterator[tuple[str, list[str]]]:
+    """(text, docs) per user turn: --prompt, --prompt-file, or stdin lines."""
+    if args.prompt is not None or args.prompt_file is not None:
+        if args.prompt_file is not None:
+            try:
+                text = Path(args.prompt_file).read_text(encoding="utf-8")
+            except FileNotFoundError:
+                raise BadInput(f"prompt file {args.prompt_file} does not exist") from None
+            except (OSError, UnicodeDecodeError) as e:
+                raise BadInput(f"cannot read prompt file {args.prompt_file}: {e}") from None
+        else:
+            text = args.prompt
+        if not text.strip() and not args.doc:
+            raise BadInput("the prompt is empty")
+        yield text, list(args.doc)
+        return
+    docs = list(args.doc)
+    for line in sys.stdin:
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        text, extra = line, []
+        if line.lstrip().startswith("{"):
+            try:
+                turn = json.loads(line)
+            except ValueError:
+                raise BadInput(f"stdin line is not valid JSON: {line[:60]}") from None
+            if not isinstance(turn, dict) or not isinstance(turn.get("content"), str):
+                raise BadInput('a JSON turn needs {"content": "...", "docs": [...]}')
+            text, extra = turn["content"], list(turn.get("docs") or [])
+        yield text, docs + extra
+        docs = []
+
+
+def _terminate(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run_headless(args: argparse.Namespace) -> int:
+    out = Output(args.json)
+    signal.signal(signal.SIGTERM, _terminate)
+    cluster = None
+    try:
+        settings = resolve_settings(args)
+        for doc in args.doc:
+            if not Path(doc).is_file():
+                raise BadInput(f"document {doc} does not exist")
+        if args.prompt_file is not None and not Path(args.prompt_file).is_file():
+            raise BadInput(f"prompt file {args.prompt_file} does not exist")
+        model_path, description = resolve_model(settings.model)
+        if not settings.model:
+            print(f"cpchat: using {description}", file=sys.stderr)
+        tokenizer = load_tokenizer(model_path)
+        cluster = connect_cluster(args, settings.ranks)
+        cluster.load(model_path)
+        out.event(Ready(settings.model or "demo", [RankAddress(r.rank, r.address) for r in cluster.ranks]))
+        sampling = SamplingOptions(settings.max_tokens, settings.temp, settings.top_p, settings.seed)
+        session = Session(cluster, tokenizer, raw=args.raw, algorithm=settings.algorithm, sampling=sampling)
+        for text, docs in read_turns(args):
+            for event in session.send(text, docs):
+                out.event(event)
+            out.end_turn()
+        return EXIT_OK
+    except BadInput as e:
+        out.error(str(e))
+        return EXIT_USAGE
+    except BackendError as e:
+        out.error(str(e))
+        return EXIT_BACKEND
+    except KeyboardInterrupt:
+        out.error("interrupted")
+        return 130
+    finally:
+        if cluster is not None:
+            cluster.close()
+
+
+def connect_cluster(args: argparse.Namespace, ranks: int) -> Cluster:
+    """Launch local ranks, or attach to running ones, and form the ring."""
+    from cpchat.cli import UsageError, read_bytes, read_token
+
+    try:
+        token = read_token(args.token_file) if args.token_file else None
+        tls_ca = read_bytes(args.tls_ca, "CA certificate")
+    except UsageError as e:
+        raise BadInput(str(e)) from None
+    if args.attach or args.hostfile:
+        addresses = parse_addresses(args.attach) if args.attach else read_hostfile(args.hostfile)
+        cluster = Cluster(addresses, token=token, tls_ca=tls_ca)
+    else:
+        cluster = Cluster.launch(ranks)
+    try:
+        cluster.connect()
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster

@@ -1,0 +1,284 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Algorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ALGORITHM_UNSPECIFIED: _ClassVar[Algorithm]
+    PASS_KV: _ClassVar[Algorithm]
+    PASS_Q: _ClassVar[Algorithm]
+
+class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FRAME_KIND_UNSPECIFIED: _ClassVar[FrameKind]
+    KV: _ClassVar[FrameKind]
+    QUERY: _ClassVar[FrameKind]
+    PARTIAL: _ClassVar[FrameKind]
+    TOKEN: _ClassVar[FrameKind]
+    PROBE: _ClassVar[FrameKind]
+ALGORITHM_UNSPECIFIED: Algorithm
+PASS_KV: Algorithm
+PASS_Q: Algorithm
+FRAME_KIND_UNSPECIFIED: FrameKind
+KV: FrameKind
+QUERY: FrameKind
+PARTIAL: FrameKind
+TOKEN: FrameKind
+PROBE: FrameKind
+
+class ConfigureRequest(_message.Message):
+    __slots__ = ("rank", "addresses", "ring_id")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    RING_ID_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    ring_id: str
+    def __init__(self, rank: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., ring_id: _Optional[str] = ...) -> None: ...
+
+class ConfigureReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class LoadProgress(_message.Message):
+    __slots__ = ("stage", "model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "bytes_per_element", "max_context")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_Q_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_ELEMENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    model_type: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    bytes_per_element: int
+    max_context: int
+    def __init__(self, stage: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bytes_per_element: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+
+class CalibrateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CalibrateReply(_message.Message):
+    __slots__ = ("flops_per_s", "ring_bytes_per_s")
+    FLOPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RING_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    flops_per_s: float
+    ring_bytes_per_s: float
+    def __init__(self, flops_per_s: _Optional[float] = ..., ring_bytes_per_s: _Optional[float] = ...) -> None: ...
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    keep_tokens: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    algorithm: Algorithm
+    max_tokens: int
+    sampling: Sampling
+    stop_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateEvent(_message.Message):
+    __slots__ = ("prefill", "token", "done", "progress")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    prefill: PrefillDone
+    token: TokenEvent
+    done: GenerateDone
+    progress: LayerProgress
+    def __init__(self, prefill: _Optional[_Union[PrefillDone, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ..., progress: _Optional[_Union[LayerProgress, _Mapping]] = ...) -> None: ...
+
+class LayerProgress(_message.Message):
+    __slots__ = ("layer", "num_layers")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    num_layers: int
+    def __init__(self, layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class PrefillDone(_message.Message):
+    __slots__ = ("ms",)
+    MS_FIELD_NUMBER: _ClassVar[int]
+    ms: float
+    def __init__(self, ms: _Optional[float] = ...) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("id", "logprob")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    logprob: float
+    def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class GenerateDone(_message.Message):
+    __slots__ = ("kv_tokens", "kv_bytes", "rss_bytes", "cached_tokens", "cancelled")
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    kv_tokens: int
+    kv_bytes: int
+    rss_bytes: int
+    cached_tokens: int
+    cancelled: bool
+    def __init__(self, kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cancelled: _Optional[bool] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CancelReply(_message.Message):
+    __slots__ = ("cancelled",)
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    cancelled: bool
+    def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("interval_s",)
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    interval_s: float
+    def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
+
+class RingStep(_message.Message):
+    __slots__ = ("layer", "step", "compute_ms", "wait_ms", "bytes_sent")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    step: int
+    compute_ms: float
+    wait_ms: float
+    bytes_sent: int
+    def __init__(self, layer: _Optional[int] = ..., step: _Optional[int] = ..., compute_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
+
+class RankStats(_message.Message):
+    __slots__ = ("rank", "state", "kv_tokens", "kv_bytes", "rss_bytes", "mlx_active_bytes", "mlx_peak_bytes", "algorithm", "ring_steps")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MLX_ACTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MLX_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    RING_STEPS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    state: str
+    kv_tokens: int
+    kv_bytes: int
+    rss_bytes: int
+    mlx_active_bytes: int
+    mlx_peak_bytes: int
+    algorithm: str
+    ring_steps: _containers.RepeatedCompositeFieldContainer[RingStep]
+    def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., algorithm: _Optional[str] = ..., ring_steps: _Optional[_Iterable[_Union[RingStep, _Mapping]]] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("keep_tokens",)
+    KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    keep_tokens: int
+    def __init__(self, keep_tokens: _Optional[int] = ...) -> None: ...
+
+class ResetReply(_message.Message):
+    __slots__ = ("kv_tokens",)
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    kv_tokens: int
+    def __init__(self, kv_tokens: _Optional[int] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthReply(_message.Message):
+    __slots__ = ("state", "rank", "pid")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    rank: int
+    pid: int
+    def __init__(self, state: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShutdownReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("ring_id", "request_id", "layer", "step", "kind", "source_rank", "tensor_index", "tensor_count", "chunk_index", "chunk_count", "dtype", "shape", "data")
+    RING_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    ring_id: str
+    request_id: str
+    layer: int
+    step: int
+    kind: FrameKind
+    source_rank: int
+    tensor_index: int
+    tensor_count: int
+    chunk_index: int
+    chunk_count: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, ring_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layer: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., source_rank: _Optional[int] = ..., tensor_index: _Optional[int] = ..., tensor_count: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class LinkClosed(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,215 @@
+"""Context-parallel attention installed into an unmodified mlx-lm model.
+
+The model runs its own forward on this rank's tokens, laid out as a batch of
+rows (two head-tail chunks in prefill, one token in decode). Each layer gets a
+`ShardCache`: its `offset` holds the rows' global start positions (RoPE takes
+per-row offsets), `update_and_fetch` stores the real tokens in the `KVShard`,
+and the model module's `scaled_dot_product_attention` is replaced by
+`ring_attention`, which hands the queries to the running `RingPass`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import mlx.core as mx
+import numpy as np
+
+from cpchat.core.attention import merge_partials, partial_attention
+from cpchat.protocol import cpchat_pb2 as pb
+from cpchat.rank.kvstore import KVShard
+from cpchat.rank.ring import Ring
+from cpchat.rank.wire import BlockKey, block_nbytes
+
+
+@dataclass
+class StepTiming:
+    layer: int
+    step: int
+    compute_ms: float = 0.0
+    wait_ms: float = 0.0
+    bytes_sent: int = 0
+
+
+@dataclass
+class RingPass:
+    """One forward of the model over this rank's rows, and how attention crosses the ring."""
+
+    request_id: str
+    mode: str  # "pass_kv" | "pass_q" | "decode"
+    ring: Ring
+    kv: KVShard
+    row_offsets: mx.array | int
+    q_positions: np.ndarray  # flattened row positions, padding included
+    real: np.ndarray  # which flattened positions are real tokens
+    store: bool  # whether this rank keeps the new tokens' K/V
+    abort: threading.Event
+    on_layer: object = None  # callable(layer) for progress
+    timings: list[StepTiming] = field(default_factory=list)
+
+    # ---- the two hooks the model calls
+
+    def store_new(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        if not self.store:
+            return
+        k, v = _flatten_rows(keys), _flatten_rows(values)
+        if not self.real.all():
+            index = mx.array(np.flatnonzero(self.real))
+            k, v = mx.take(k, index, axis=2), mx.take(v, index, axis=2)
+        if k.shape[2]:
+            self.kv.append(layer, k, v)
+
+    def attend(self, layer: int, queries: mx.array, scale: float) -> mx.array:
+        rows, heads, chunk, dim = queries.shape
+        q = _flatten_rows(queries)
+        k, v, k_pos = self.kv.layer(layer)
+        mx.eval(q, *(a for a in (k, v) if a is not None))
+        run = {"pass_kv": self._pass_kv, "pass_q": self._pass_q, "decode": self._gather_partials}[self.mode]
+        out = run(layer, q, k, v, k_pos, scale)
+        if self.on_layer is not None:
+            self.on_layer(layer)
+        return out.reshape(heads, rows, chunk, dim).transpose(1, 0, 2, 3)
+
+    # ---- algorithms
+
+    def _local(self, q, q_pos, k, v, k_pos, scale):
+        if k is None or len(k_pos) == 0:
+            return _empty_partial(q)
+        return partial_attention(q, k, v, q_pos, k_pos, scale)
+
+    def _timed_local(self, timing: StepTiming, q, q_pos, k, v, k_pos, scale):
+        t0 = time.perf_counter()
+        out, lse = self._local(q, q_pos, k, v, k_pos, scale)
+        mx.eval(out, lse)
+        timing.compute_ms += 1000 * (time.perf_counter() - t0)
+        return out, lse
+
+    def _key(self, layer: int, step: int, kind: int) -> BlockKey:
+        return BlockKey(self.request_id, layer, step, kind)
+
+    def _take(self, timing: StepTiming, key: BlockKey) -> list[mx.array]:
+        tensors, waited = self.ring.take(key, self.abort)
+        timing.wait_ms += 1000 * waited
+        return tensors
+
+    def _send(self, timing: StepTiming, key: BlockKey, tensors: list[mx.array]) -> None:
+        self.ring.send(key, tensors)
+        timing.bytes_sent += block_nbytes(tensors)
+
+    def _pass_kv(self, layer, q, k, v, k_pos, scale):
+        """Queries stay; every rank's K/V block visits every rank (N-1 hops).
+        The block is forwarded before it is used, so the send overlaps compute."""
+        n = self.ring.size
+        parts = []
+        block = None if k is None else [k, v, mx.array(k_pos)]
+        for step in range(n):
+            timing = StepTiming(layer, step)
+            self.timings.append(timing)
+            if step > 0:
+                block = self._take(timing, self._key(layer, step - 1, pb.KV))
+                block = None if block[2].size == 0 else block
+            if step < n - 1:
+                self._send(timing, self._key(layer, step, pb.KV), block or _empty_kv(q))
+            if block is not None:
+                bk, bv, bpos = block
+                parts.append(self._timed_local(timing, q, self.q_positions, bk, bv, np.asarray(bpos), scale))
+        out, _ = merge_partials(parts) if parts else _empty_partial(q)
+        return out
+
+    def _pass_q(self, layer, q, k, v, k_pos, scale):
+        """K/V stay; each rank's queries travel a full lap carrying their running
+        (out, lse), merging one partial per rank, and come home (N hops)."""
+        n = self.ring.size
+        timing = StepTiming(layer, 0)
+        self.timings.append(timing)
+        out, lse = self._timed_local(timing, q, self.q_positions, k, v, k_pos, scale)
+        if n == 1:
+            return out
+        q_pos = mx.array(self.q_positions)
+        self._send(timing, self._key(layer, 0, pb.QUERY), [q, q_pos, out, lse])
+        for step in range(1, n + 1):
+            timing = StepTiming(layer, step)
+            self.timings.append(timing)
+            vq, vq_pos, vout, vlse = self._take(timing, self._key(layer, step - 1, pb.QUERY))
+            if step == n:
+                return vout  # our own queries, home with every rank's partial merged
+            mine = self._timed_local(timing, vq, np.asarray(vq_pos), k, v, k_pos, scale)
+            vout, vlse = merge_partials([(vout, vlse), mine])
+            self._send(timing, self._key(layer, step, pb.QUERY), [vq, vq_pos, vout, vlse])
+        raise AssertionError("unreachable")
+
+    def _gather_partials(self, layer, q, k, v, k_pos, scale):
+        """Decode: every rank holds the same query; partial outputs go around the
+        ring (all-gather) and are merged in rank order, so all ranks agree bit for bit."""
+        n = self.ring.size
+        timing = StepTiming(layer, 0)
+        self.timings.append(timing)
+        parts = {self.ring.rank: self._timed_local(timing, q, self.q_positions, k, v, k_pos, scale)}
+        block = list(parts[self.ring.rank])
+        for step in range(n - 1):
+            self._send(timing, self._key(layer, step, pb.PARTIAL), block)
+            timing = StepTiming(layer, step + 1)
+            self.timings.append(timing)
+            block = self._take(timing, self._key(layer, step, pb.PARTIAL))
+            parts[(self.ring.rank - step - 1) % n] = tuple(block)
+        out, _ = merge_partials([parts[r] for r in range(n)])
+        return out
+
+
+class ShardCache:
+    """The per-layer cache object mlx-lm's attention sees."""
+
+    def __init__(self, ring_pass: RingPass, layer: int) -> None:
+        self.ring_pass, self.layer = ring_pass, layer
+
+    @property
+    def offset(self) -> mx.array | int:
+        return self.ring_pass.row_offsets
+
+    def make_mask(self, *args, **kwargs) -> None:
+        return None  # masks come from global positions inside the ring pass
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.ring_pass.store_new(self.layer, keys, values)
+        return keys, values
+
+
+def ring_attention(original):
+    """A drop-in for mlx_lm.models.base.scaled_dot_product_attention."""
+
+    def attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if isinstance(cache, ShardCache):
+            if sinks is not None:
+                raise NotImplementedError("attention sinks are not supported for context parallelism")
+            return cache.ring_pass.attend(cache.layer, queries, scale)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    attention.__wrapped__ = original
+    return attention
+
+
+def install(module: ModuleType) -> None:
+    """Route the model module's attention through the ring (idempotent)."""
+    current = module.scaled_dot_product_attention
+    if not hasattr(current, "__wrapped__"):
+        module.scaled_dot_product_attention = ring_attention(current)
+
+
+def _flatten_rows(x: mx.array) -> mx.array:
+    """[R, H, C, D] -> [1, H, R*C, D], row 0 first."""
+    rows, heads, chunk, dim = x.shape
+    if rows == 1:
+        return x
+    return x.transpose(1, 0, 2, 3).reshape(1, heads, rows * chunk, dim)
+
+
+def _empty_partial(q: mx.array) -> tuple[mx.array, mx.array]:
+    return mx.zeros(q.shape, q.dtype), mx.full(q.shape[:-1], float("-inf"))
+
+
+def _empty_kv(q: mx.array) -> list[mx.array]:
+    shape = (1, 1, 0, q.shape[-1])
+    return [mx.zeros(shape, q.dtype), mx.zeros(shape, q.dtype), mx.zeros((0,), mx.int32)]

@@ -1,0 +1,83 @@
+"""KVShard: this rank's share of the conversation's keys and values.
+
+Every layer holds the same token positions (global, so masks never depend
+on where a token lives). Buffers grow in steps, as mlx-lm's KVCache does,
+so decode appends do not copy the whole shard.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+GROW = 256
+
+
+class KVShard:
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.keys: list[mx.array | None] = [None] * num_layers
+        self.values: list[mx.array | None] = [None] * num_layers
+        self.positions = np.zeros(0, dtype=np.int32)
+        self._pending: np.ndarray | None = None  # positions being appended by the current forward
+        self._lengths = [0] * num_layers
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    @property
+    def nbytes(self) -> int:
+        n = len(self)
+        return sum(2 * k[..., :n, :].nbytes for k in self.keys if k is not None)
+
+    def begin_append(self, positions: np.ndarray) -> None:
+        """Positions of the tokens the next forward will append (same for every layer)."""
+        self._pending = positions.astype(np.int32)
+
+    def append(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        """Append [1, Hkv, n, D] keys/values of the pending positions to one layer."""
+        n_new = keys.shape[2]
+        start = self._lengths[layer]
+        buf = self.keys[layer]
+        if buf is None or start + n_new > buf.shape[2]:
+            capacity = (start + n_new + GROW - 1) // GROW * GROW
+            shape = (1, keys.shape[1], capacity, keys.shape[3])
+            new_k, new_v = mx.zeros(shape, keys.dtype), mx.zeros(shape, values.dtype)
+            if buf is not None and start:
+                new_k[..., :start, :] = buf[..., :start, :]
+                new_v[..., :start, :] = self.values[layer][..., :start, :]
+            self.keys[layer], self.values[layer] = new_k, new_v
+        self.keys[layer][..., start : start + n_new, :] = keys
+        self.values[layer][..., start : start + n_new, :] = values
+        self._lengths[layer] = start + n_new
+
+    def commit(self) -> None:
+        """The forward finished: its positions now belong to the shard."""
+        if self._pending is not None:
+            self.positions = np.concatenate([self.positions, self._pending])
+            self._pending = None
+        assert all(n == len(self) for n in self._lengths), "layers out of step"
+
+    def layer(self, layer: int) -> tuple[mx.array, mx.array, np.ndarray]:
+        """Keys, values and positions of one layer, the pending append included."""
+        n = self._lengths[layer]
+        positions = self.positions if self._pending is None else np.concatenate([self.positions, self._pending])
+        if n == 0:
+            return None, None, positions[:0]
+        return self.keys[layer][..., :n, :], self.values[layer][..., :n, :], positions[:n]
+
+    def truncate(self, keep_positions_below: int) -> None:
+        """Forget every token at or after a global position (and any pending append)."""
+        self._pending = None
+        keep = self.positions < keep_positions_below
+        if keep.all():
+            self._lengths = [len(self)] * self.num_layers
+            return
+        index = mx.array(np.flatnonzero(keep))
+        for layer in range(self.num_layers):
+            if self.keys[layer] is not None:
+                self.keys[layer] = mx.take(self.keys[layer][..., : len(self), :], index, axis=2)
+                self.values[layer] = mx.take(self.values[layer][..., : len(self), :], index, axis=2)
+        self.positions = self.positions[keep]
+        self._lengths = [len(self)] * self.num_layers
+        mx.eval([a for a in self.keys + self.values if a is not None])

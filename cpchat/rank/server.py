@@ -1,0 +1,370 @@
+"""`cpchat rank`: the gRPC servicers, kept thin over `RankState`."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import uuid
+from concurrent import futures
+
+import grpc
+import mlx.core as mx
+import psutil
+
+from cpchat.protocol import cpchat_pb2 as pb
+from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
+from cpchat.rank.engine import BadRequest, Engine, UnsupportedModel
+from cpchat.rank.ring import Aborted, Mailbox, Ring, RingBroken, RingLink
+from cpchat.rank.wire import BlockKey, FrameError
+
+TOKEN_HEADER = "x-cpchat-token"
+MAX_MESSAGE = 16 << 20
+KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.http2.min_ping_interval_without_data_ms", 500),
+    ("grpc.http2.max_ping_strikes", 0),
+    *KEEPALIVE,
+]
+PROBE_BYTES = 4 << 20
+_END = object()
+
+
+class RankState:
+    """Everything a rank knows: its place in the ring, its engine, what runs."""
+
+    def __init__(self, token: str | None = None, tls_ca: bytes | None = None) -> None:
+        self.token = token
+        self.tls_ca = tls_ca
+        self.engine = Engine()
+        self.rank = 0
+        self.addresses: list[str] = []
+        self.ring_id = ""
+        self.ring: Ring | None = None
+        self.state = "idle"
+        self.busy = threading.Lock()
+        self.abort: threading.Event | None = None
+        self.request_id = ""
+        self.stats_version = 0
+
+    # ---- ring
+
+    def configure(self, rank: int, addresses: list[str], ring_id: str) -> None:
+        if not addresses or rank >= len(addresses):
+            raise BadRequest(f"rank {rank} is not in a ring of {len(addresses)}")
+        if not self.busy.acquire(blocking=False):
+            raise BadRequest(f"rank is busy with request {self.request_id}; cannot join a new ring now")
+        try:
+            if self.ring and self.ring.link:
+                self.ring.link.close()
+            self.rank, self.addresses, self.ring_id = rank, list(addresses), ring_id or uuid.uuid4().hex
+            size = len(addresses)
+            link = None
+            if size > 1:
+                peer = addresses[(rank + 1) % size]
+                link = RingLink(self.channel(peer), self.ring_id, rank, peer, self.metadata())
+            self.ring = Ring(rank, size, link, Mailbox(self.validate_frame))
+            if self.engine.kv is not None:
+                self.engine.reset(0)
+        finally:
+            self.busy.release()
+
+    def channel(self, address: str) -> grpc.Channel:
+        options = [("grpc.max_send_message_length", MAX_MESSAGE), *KEEPALIVE]
+        if self.tls_ca is not None:
+            return grpc.secure_channel(address, grpc.ssl_channel_credentials(self.tls_ca), options)
+        return grpc.insecure_channel(address, options)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((TOKEN_HEADER, self.token),) if self.token else ()
+
+    def validate_frame(self, f: pb.Frame) -> None:
+        if self.ring is None or f.ring_id != self.ring_id:
+            raise FrameError("frame for a ring this rank is not part of")
+        size = self.ring.size
+        if f.source_rank >= size:
+            raise FrameError(f"source_rank {f.source_rank} outside the ring of {size}")
+        if f.kind in (pb.KV, pb.QUERY, pb.PARTIAL):
+            layers = self.engine.info.num_layers if self.engine.info else 0
+            if f.layer >= layers:
+                raise FrameError(f"layer {f.layer} outside the model's {layers} layers")
+            if f.step >= size:
+                raise FrameError(f"step {f.step} outside a ring of {size}")
+        elif f.kind not in (pb.TOKEN, pb.PROBE):
+            raise FrameError(f"unknown frame kind {f.kind}")
+
+    def prev_link_closed(self, ring_id: str) -> None:
+        if self.ring is not None and ring_id == self.ring_id:
+            prev = self.addresses[self.ring.prev_rank]
+            self.ring.mailbox.fail(f"link from previous rank {self.ring.prev_rank} ({prev}) closed")
+
+    # ---- requests
+
+    def begin(self, request_id: str) -> threading.Event:
+        if self.ring is None:
+            raise BadRequest("this rank is not part of a ring yet (Configure first)")
+        if not self.busy.acquire(blocking=False):
+            raise BadRequest(f"rank is busy with request {self.request_id}; one generation at a time")
+        self.abort, self.request_id, self.state = threading.Event(), request_id, "busy"
+        self.stats_version += 1
+        return self.abort
+
+    def end(self) -> None:
+        self.state = "ready"
+        self.stats_version += 1
+        self.busy.release()
+
+    def cancel(self, request_id: str) -> bool:
+        abort = self.abort
+        if abort is None or (request_id and request_id != self.request_id) or not self.busy.locked():
+            return False
+        abort.set()
+        return True
+
+    def calibrate(self) -> tuple[float, float]:
+        n = 512
+        a = mx.random.normal((n, n))
+        mx.eval(a @ a)
+        t0 = time.perf_counter()
+        for _ in range(8):
+            mx.eval(a @ a)
+        flops = 8 * 2 * n**3 / (time.perf_counter() - t0)
+        if self.ring is None or self.ring.size == 1:
+            return flops, float("inf")
+        block = [mx.zeros((PROBE_BYTES // 4,), mx.float32)]
+        best = 0.0
+        abort = threading.Event()
+        for round_ in range(3):
+            key = BlockKey(f"calibrate-{self.ring_id}", 0, round_, pb.PROBE)
+            t0 = time.perf_counter()
+            self.ring.send(key, block)
+            self.ring.take(key, abort)
+            best = max(best, PROBE_BYTES / (time.perf_counter() - t0))
+        self.ring.mailbox.forget(f"calibrate-{self.ring_id}")
+        return flops, best
+
+    def stats(self) -> pb.RankStats:
+        kv = self.engine.kv
+        return pb.RankStats(
+            rank=self.rank,
+            state=self.state,
+            kv_tokens=len(kv) if kv else 0,
+            kv_bytes=kv.nbytes if kv else 0,
+            rss_bytes=psutil.Process().memory_info().rss,
+            mlx_active_bytes=mx.get_active_memory(),
+            mlx_peak_bytes=mx.get_peak_memory(),
+            algorithm=self.engine.last_algorithm,
+            ring_steps=[
+                pb.RingStep(layer=t.layer, step=t.step, compute_ms=t.compute_ms, wait_ms=t.wait_ms,
+                            bytes_sent=t.bytes_sent)
+                for t in self.engine.last_timings
+            ],
+        )
+
+
+class ControlServicer(pb_grpc.ControlServicer):
+    def __init__(self, state: RankState, stop: threading.Event) -> None:
+        self.s, self.stop = state, stop
+
+    def Configure(self, request, context):
+        try:
+            self.s.configure(request.rank, list(request.addresses), request.ring_id)
+        except BadRequest as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return pb.ConfigureReply()
+
+    def LoadModel(self, request, context):
+        self.s.state = "loading"
+        yield pb.LoadProgress(stage="loading")
+        try:
+            info = self.s.engine.load(request.model)
+        except UnsupportedModel as e:
+            self.s.state = "idle"
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except Exception as e:  # noqa: BLE001 - any load failure is reported, not raised
+            self.s.state = "idle"
+            context.abort(grpc.StatusCode.NOT_FOUND, f"cannot load model {request.model!r}: {e}")
+        self.s.state = "ready"
+        self.s.stats_version += 1
+        yield pb.LoadProgress(
+            stage="ready", model_type=info.model_type, num_layers=info.num_layers,
+            num_q_heads=info.num_q_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+            vocab_size=info.vocab_size, bytes_per_element=info.bytes_per_element,
+            max_context=info.max_context,
+        )
+
+    def Calibrate(self, request, context):
+        try:
+            flops, bandwidth = self.s.calibrate()
+        except RingBroken as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return pb.CalibrateReply(flops_per_s=flops, ring_bytes_per_s=min(bandwidth, 1e15))
+
+    def Generate(self, request, context):
+        try:
+            abort = self.s.begin(request.request_id)
+        except BadRequest as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        events: queue.Queue = queue.Queue()
+        context.add_callback(abort.set)  # the front end went away
+
+        def work() -> None:
+            try:
+                self.s.engine.generate(request, self.s.ring, abort, events.put)
+                events.put(_END)
+            except BaseException as e:  # noqa: BLE001 - handed to the RPC thread
+                events.put(e)
+            finally:
+                self.s.end()
+
+        threading.Thread(target=work, name=f"generate-{request.request_id}", daemon=True).start()
+        while True:
+            item = events.get()
+            if item is _END or isinstance(item, Aborted):
+                yield pb.GenerateEvent(done=self._done(cancelled=item is not _END))
+                return
+            if isinstance(item, BadRequest):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+            if isinstance(item, RingBroken):
+                context.abort(grpc.StatusCode.ABORTED, str(item))
+            if isinstance(item, BaseException):
+                context.abort(grpc.StatusCode.INTERNAL, f"{type(item).__name__}: {item}")
+            yield item
+
+    def _done(self, cancelled: bool) -> pb.GenerateDone:
+        kv = self.s.engine.kv
+        return pb.GenerateDone(
+            kv_tokens=len(kv), kv_bytes=kv.nbytes, rss_bytes=psutil.Process().memory_info().rss,
+            cached_tokens=self.s.engine.total_tokens, cancelled=cancelled,
+        )
+
+    def Cancel(self, request, context):
+        return pb.CancelReply(cancelled=self.s.cancel(request.request_id))
+
+    def Stats(self, request, context):
+        interval = min(max(request.interval_s or 0.25, 0.05), 10.0)
+        last = None
+        while context.is_active() and not self.stop.is_set():
+            snapshot = self.s.stats()
+            if snapshot != last:
+                yield snapshot
+                last = snapshot
+            time.sleep(interval)
+
+    def Reset(self, request, context):
+        if not self.s.busy.acquire(blocking=False):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "rank is busy; cancel the generation first")
+        try:
+            if self.s.engine.kv is not None:
+                self.s.engine.reset(request.keep_tokens)
+        except BadRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            self.s.busy.release()
+        self.s.stats_version += 1
+        return pb.ResetReply(kv_tokens=len(self.s.engine.kv) if self.s.engine.kv else 0)
+
+    def Health(self, request, context):
+        return pb.HealthReply(state=self.s.state, rank=self.s.rank, pid=os.getpid())
+
+    def Shutdown(self, request, context):
+        self.stop.set()
+        return pb.ShutdownReply()
+
+
+class RingServicer(pb_grpc.RingServicer):
+    def __init__(self, state: RankState) -> None:
+        self.s = state
+
+    def Link(self, request_iterator, context):
+        ring_id = None
+        try:
+            for frame in request_iterator:
+                ring_id = ring_id or frame.ring_id
+                if self.s.ring is None:
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this rank is not part of a ring")
+                try:
+                    self.s.ring.mailbox.put(frame)
+                except FrameError as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad frame: {e}")
+        finally:
+            if ring_id is not None and not context.is_active():
+                self.s.prev_link_closed(ring_id)
+        return pb.LinkClosed()
+
+
+class TokenCheck(grpc.ServerInterceptor):
+    """Refuse every RPC (control and ring) that lacks the cluster token."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token.encode()
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        given = dict(details.invocation_metadata).get(TOKEN_HEADER, "")
+        if hmac.compare_digest(given.encode(), self.token):
+            return continuation(details)
+        handler = continuation(details)
+        if handler is not None and handler.request_streaming:
+            return self._deny_stream
+        return self._deny_unary
+
+
+def serve(
+    host: str,
+    port: int,
+    token: str | None = None,
+    tls_cert: bytes | None = None,
+    tls_key: bytes | None = None,
+    tls_ca: bytes | None = None,
+    parent_pid: int | None = None,
+) -> None:
+    """Run a rank until Shutdown, SIGTERM, or the death of its parent."""
+    stop = threading.Event()
+    state = RankState(token, tls_ca)
+    interceptors = [TokenCheck(token)] if token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=SERVER_OPTIONS,
+                         interceptors=interceptors)
+    pb_grpc.add_ControlServicer_to_server(ControlServicer(state, stop), server)
+    pb_grpc.add_RingServicer_to_server(RingServicer(state), server)
+    address = f"{host}:{port}"
+    if tls_cert and tls_key:
+        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
+    else:
+        bound = server.add_insecure_port(address)
+    if not bound:
+        raise OSError(f"cannot listen on {address}")
+    server.start()
+    print(json.dumps({"event": "listening", "address": f"{host}:{bound}", "pid": os.getpid()}), flush=True)
+    if parent_pid:
+        threading.Thread(target=_watch_parent, args=(parent_pid, stop), daemon=True).start()
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    server.stop(grace=0.5).wait()
+
+
+def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
+    while not stop.is_set():
+        if os.getppid() != parent_pid:
+            sys.stderr.write("cpchat rank: front end is gone, exiting\n")
+            os._exit(0)
+        time.sleep(0.5)

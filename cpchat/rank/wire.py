@@ -1,0 +1,136 @@
+"""Tensors to and from Ring frames: raw bytes with dtype and shape, never pickle.
+
+A block (a few tensors sharing one key) is cut into frames of at most
+CHUNK_BYTES; `BlockAssembler` puts them back together and validates every
+header against the bytes it carries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from cpchat.protocol import cpchat_pb2 as pb
+
+CHUNK_BYTES = 2 << 20
+MAX_TENSORS = 8
+MAX_BLOCK_BYTES = 8 << 30
+
+# Wire dtype -> (numpy storage dtype, mlx dtype). bfloat16 travels as its uint16 bits.
+DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
+    "float32": (np.dtype("<f4"), mx.float32),
+    "float16": (np.dtype("<f2"), mx.float16),
+    "bfloat16": (np.dtype("<u2"), mx.bfloat16),
+    "int32": (np.dtype("<i4"), mx.int32),
+    "int64": (np.dtype("<i8"), mx.int64),
+    "uint32": (np.dtype("<u4"), mx.uint32),
+}
+_NAMES = {mlx: name for name, (_, mlx) in DTYPES.items()}
+
+
+class FrameError(ValueError):
+    """A frame that does not describe a valid tensor block."""
+
+
+@dataclass(frozen=True)
+class BlockKey:
+    request_id: str
+    layer: int
+    step: int
+    kind: int  # pb.FrameKind
+
+
+def tensor_bytes(a: mx.array) -> memoryview:
+    """A zero-copy view of an evaluated array's bytes."""
+    if a.dtype not in _NAMES:
+        raise FrameError(f"dtype {a.dtype} cannot travel the ring")
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    host = np.ascontiguousarray(a)
+    return memoryview(host.reshape(-1).view(np.uint8))
+
+
+def block_frames(
+    ring_id: str, key: BlockKey, source_rank: int, tensors: list[mx.array]
+) -> Iterator[pb.Frame]:
+    """Frames for one block; the arrays must already be evaluated."""
+    for index, a in enumerate(tensors):
+        raw = tensor_bytes(a)
+        count = max(1, -(-len(raw) // CHUNK_BYTES))
+        for chunk in range(count):
+            yield pb.Frame(
+                ring_id=ring_id,
+                request_id=key.request_id,
+                layer=key.layer,
+                step=key.step,
+                kind=key.kind,
+                source_rank=source_rank,
+                tensor_index=index,
+                tensor_count=len(tensors),
+                chunk_index=chunk,
+                chunk_count=count,
+                dtype=_NAMES[a.dtype],
+                shape=list(a.shape),
+                data=bytes(raw[chunk * CHUNK_BYTES : (chunk + 1) * CHUNK_BYTES]),
+            )
+
+
+def block_nbytes(tensors: list[mx.array]) -> int:
+    return sum(a.nbytes for a in tensors)
+
+
+class BlockAssembler:
+    """Collects the frames of one block; `add` returns the tensors once complete."""
+
+    def __init__(self, first: pb.Frame) -> None:
+        if not 1 <= first.tensor_count <= MAX_TENSORS:
+            raise FrameError(f"tensor_count {first.tensor_count} outside 1..{MAX_TENSORS}")
+        self.source_rank = first.source_rank
+        self.count = first.tensor_count
+        self.chunks: list[list[bytes | None]] = [[] for _ in range(self.count)]
+        self.headers: list[tuple[str, tuple[int, ...]] | None] = [None] * self.count
+        self.received = 0
+        self.expected: list[int] = [0] * self.count
+
+    def add(self, f: pb.Frame) -> list[mx.array] | None:
+        if f.tensor_count != self.count or f.source_rank != self.source_rank:
+            raise FrameError("frames of one block disagree on tensor_count or source_rank")
+        if f.tensor_index >= self.count:
+            raise FrameError(f"tensor_index {f.tensor_index} >= tensor_count {self.count}")
+        if f.dtype not in DTYPES:
+            raise FrameError(f"dtype {f.dtype!r} is not one of {', '.join(DTYPES)}")
+        shape = tuple(f.shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[f.dtype][0].itemsize
+        if nbytes > MAX_BLOCK_BYTES:
+            raise FrameError(f"tensor of {nbytes} bytes exceeds the {MAX_BLOCK_BYTES} byte limit")
+        expected_chunks = max(1, -(-nbytes // CHUNK_BYTES))
+        if f.chunk_count != expected_chunks or f.chunk_index >= f.chunk_count:
+            raise FrameError(f"chunk {f.chunk_index}/{f.chunk_count} does not fit a {nbytes}-byte tensor")
+        i = f.tensor_index
+        if self.headers[i] is None:
+            self.headers[i] = (f.dtype, shape)
+            self.chunks[i] = [None] * f.chunk_count
+            self.expected[i] = f.chunk_count
+        elif self.headers[i] != (f.dtype, shape):
+            raise FrameError(f"frames of tensor {i} disagree on dtype or shape")
+        want = min(CHUNK_BYTES, nbytes - f.chunk_index * CHUNK_BYTES)
+        if len(f.data) != want:
+            raise FrameError(f"chunk {f.chunk_index} of tensor {i} has {len(f.data)} bytes, expected {want}")
+        if self.chunks[i][f.chunk_index] is not None:
+            raise FrameError(f"chunk {f.chunk_index} of tensor {i} arrived twice")
+        self.chunks[i][f.chunk_index] = f.data
+        self.received += 1
+        if self.received < sum(self.expected) or any(h is None for h in self.headers):
+            return None
+        return [self._tensor(i) for i in range(self.count)]
+
+    def _tensor(self, i: int) -> mx.array:
+        dtype, shape = self.headers[i]
+        storage, mlx_dtype = DTYPES[dtype]
+        data = self.chunks[i][0] if len(self.chunks[i]) == 1 else b"".join(self.chunks[i])
+        host = np.frombuffer(data, dtype=storage).reshape(shape)
+        a = mx.array(host)
+        return a.view(mlx_dtype) if dtype == "bfloat16" else a
