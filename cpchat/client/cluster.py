@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cpchat.client.events import RankStats, RingStep
 from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
@@ -333,24 +333,39 @@ class Cluster:
         for s in streams:
             s.cancel()
 
-    def stats(self, interval_s: float = 0.25) -> Iterator[tuple[int, pb.RankStats]]:
-        """Merge the ranks' stats streams; runs until close() or a rank drops."""
+    def stats(self, interval_s: float = 0.25, stop: threading.Event | None = None) -> Iterator[RankStats]:
+        """Merge the ranks' stats streams into RankStats snapshots; ends when every stream does
+        (on close(), or once `stop` is set: that cancels the streams of a cluster that stays open)."""
         out: queue.Queue = queue.Queue()
 
         def follow(r: RankHandle) -> None:
             try:
-                for s in r.control.Stats(pb.StatsRequest(interval_s=interval_s), metadata=self.metadata):
-                    out.put((r.rank, s))
-            except grpc.RpcError:
-                pass
-            out.put((r.rank, None))
+                call = r.control.Stats(pb.StatsRequest(interval_s=interval_s), metadata=self.metadata)
+                if stop is not None:
+                    threading.Thread(target=lambda: (stop.wait(), call.cancel()), daemon=True).start()
+                for s in call:
+                    out.put(_rank_stats(r, s))
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.CANCELLED:
+                    r.state = "failed"
+                    out.put(RankStats(r.rank, r.address, "failed", error=self._describe(r, e)))
+            out.put(None)
 
         for r in self.ranks:
             threading.Thread(target=follow, args=(r,), daemon=True).start()
         open_streams = len(self.ranks)
         while open_streams:
-            rank, s = out.get()
-            if s is None:
+            item = out.get()
+            if item is None:
                 open_streams -= 1
                 continue
-            yield rank, s
+            yield item
+
+
+def _rank_stats(r: RankHandle, s: pb.RankStats) -> RankStats:
+    return RankStats(
+        rank=r.rank, address=r.address, state=s.state, kv_tokens=s.kv_tokens, kv_bytes=s.kv_bytes,
+        rss_bytes=s.rss_bytes, mlx_active_bytes=s.mlx_active_bytes, mlx_peak_bytes=s.mlx_peak_bytes,
+        algorithm=s.algorithm,
+        ring_steps=[RingStep(t.layer, t.step, t.compute_ms, t.wait_ms, t.bytes_sent) for t in s.ring_steps],
+    )

@@ -103,6 +103,11 @@ class Session:
         self._cancel.set()
         self.cluster.cancel()
 
+    def attach(self, cluster: Cluster) -> None:
+        """Continue on another cluster (e.g. relaunched ranks): the next turn re-prefills everything."""
+        self.cluster = cluster
+        self.held = []
+
     def reset(self) -> None:
         self.cluster.reset(0)
         self.messages.clear()

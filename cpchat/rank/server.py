@@ -57,6 +57,7 @@ class RankState:
         self.abort: threading.Event | None = None
         self.request_id = ""
         self.stats_version = 0
+        self.calibrations = 0
 
     # ---- ring
 
@@ -145,13 +146,15 @@ class RankState:
         block = [mx.zeros((PROBE_BYTES // 4,), mx.float32)]
         best = 0.0
         abort = threading.Event()
+        request_id = f"calibrate-{self.ring_id}-{self.calibrations}"
+        self.calibrations += 1
         for round_ in range(3):
-            key = BlockKey(f"calibrate-{self.ring_id}", 0, round_, pb.PROBE)
+            key = BlockKey(request_id, 0, round_, pb.PROBE)
             t0 = time.perf_counter()
             self.ring.send(key, block)
             self.ring.take(key, abort)
             best = max(best, PROBE_BYTES / (time.perf_counter() - t0))
-        self.ring.mailbox.forget(f"calibrate-{self.ring_id}")
+        self.ring.mailbox.forget(request_id)
         return flops, best
 
     def stats(self) -> pb.RankStats:

@@ -1,0 +1,1 @@
+"""The Textual front end: transcript, input, attachments and live rank panels."""

@@ -1,0 +1,93 @@
+"""Messages that carry backend news from worker threads up to the app.
+
+Workers never touch widgets: they post these (post_message is thread-safe),
+and the app turns them into reactive updates on the event loop. Tests and
+snapshots post the same messages to freeze a state without timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.message import Message
+
+from cpchat.client.cluster import ModelInfo
+from cpchat.client.events import AlgorithmChoice, Done, Prefill, RankStats
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    address: str
+
+
+class BackendReady(Message):
+    """The ring is formed and the model loaded on every rank."""
+
+    def __init__(self, model: ModelInfo, ranks: list[RankInfo], description: str = "") -> None:
+        super().__init__()
+        self.model, self.ranks, self.description = model, ranks, description
+
+
+class BackendFailed(Message):
+    """Startup or a turn failed on the backend; `startup` failures end the app."""
+
+    def __init__(self, message: str, startup: bool = False, exit_code: int = 3) -> None:
+        super().__init__()
+        self.message, self.startup, self.exit_code = message, startup, exit_code
+
+
+class WorkProgress(Message):
+    """Long work under way: phase "connect", "load" or "prefill"; done of total."""
+
+    def __init__(self, phase: str, done: int, total: int) -> None:
+        super().__init__()
+        self.phase, self.done, self.total = phase, done, total
+
+
+class StatsArrived(Message):
+    def __init__(self, stats: RankStats) -> None:
+        super().__init__()
+        self.stats = stats
+
+
+class PrefillDone(Message):
+    def __init__(self, prefill: Prefill, choice: AlgorithmChoice | None) -> None:
+        super().__init__()
+        self.prefill, self.choice = prefill, choice
+
+
+class TokensArrived(Message):
+    """Text of one or more tokens (batched by the worker)."""
+
+    def __init__(self, text: str, count: int) -> None:
+        super().__init__()
+        self.text, self.count = text, count
+
+
+class TurnFinished(Message):
+    """A turn ended: `done` when it completed or was stopped, `error` when the backend failed."""
+
+    def __init__(self, done: Done | None = None, error: str = "", cancelled: bool = False) -> None:
+        super().__init__()
+        self.done, self.error, self.cancelled = done, error, cancelled
+
+
+class DocumentRead(Message):
+    """A document was read for attaching; `tokens` is None until the tokenizer has counted it."""
+
+    def __init__(self, path, document, tokens: int | None) -> None:
+        super().__init__()
+        self.path, self.document, self.tokens = path, document, tokens
+
+
+class Notice(Message):
+    """A notification raised in a worker thread."""
+
+    def __init__(self, text: str, severity: str = "information", timeout: float = 6.0) -> None:
+        super().__init__()
+        self.text, self.severity, self.timeout = text, severity, timeout
+
+
+class ConversationCleared(Message):
+    """The ranks dropped their KV; the transcript can be emptied."""

@@ -1,0 +1,68 @@
+"""Attachment chips above the prompt: name, size, token count, and a button to remove."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, HorizontalGroup
+from textual.message import Message
+from textual.reactive import reactive
+from textual.widgets import Button, Label
+
+from cpchat.client.documents import Document
+from cpchat.tui.format import human_bytes, human_count
+
+
+class AttachmentChip(HorizontalGroup):
+    """One attached document; `tokens` is None until the tokenizer has counted it."""
+
+    tokens: reactive[int | None] = reactive(None)
+
+    class Remove(Message):
+        def __init__(self, chip: AttachmentChip) -> None:
+            super().__init__()
+            self.chip = chip
+
+    def __init__(self, path: Path, document: Document, tokens: int | None = None) -> None:
+        super().__init__(classes="chip")
+        self.path, self.document = path, document
+        self.set_reactive(AttachmentChip.tokens, tokens)
+
+    def compose(self) -> ComposeResult:
+        yield Label(self._caption(), classes="chip-label")
+        yield Button("×", compact=True, classes="chip-remove", tooltip=f"Remove {self.document.name}")
+
+    def _caption(self) -> str:
+        tokens = "… tok" if self.tokens is None else f"{human_count(self.tokens)} tok"
+        return f"{self.document.name} · {human_bytes(self.document.size)} · {tokens}"
+
+    def watch_tokens(self) -> None:
+        if self.is_mounted:
+            self.query_one(".chip-label", Label).update(self._caption())
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.post_message(self.Remove(self))
+
+
+class AttachmentBar(Horizontal):
+    """The chips of the documents that go into the next user turn."""
+
+    def chips(self) -> list[AttachmentChip]:
+        return list(self.query(AttachmentChip))
+
+    def has(self, path: Path) -> bool:
+        return any(c.path == path for c in self.chips())
+
+    async def add(self, chip: AttachmentChip) -> None:
+        await self.mount(chip)
+        self.set_class(True, "-has-chips")
+
+    async def clear(self) -> None:
+        await self.remove_children()
+        self.set_class(False, "-has-chips")
+
+    async def remove_chip(self, chip: AttachmentChip) -> None:
+        await chip.remove()
+        self.set_class(bool(self.chips()), "-has-chips")

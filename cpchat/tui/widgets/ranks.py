@@ -1,0 +1,93 @@
+"""The Ranks panel: one row per rank with state, KV held (bar against the largest) and memory."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.containers import VerticalGroup
+from textual.reactive import reactive
+from textual.widget import Widget
+
+from cpchat.client.events import RankStats
+from cpchat.tui.format import bar, human_bytes, human_count
+
+STATE_STYLES = {
+    "starting": "dim",
+    "loading": "yellow",
+    "ready": "green",
+    "idle": "green",
+    "busy": "bold cyan",
+    "failed": "bold red",
+}
+BAR_WIDTH = 12
+
+
+class RankRow(Widget):
+    """Renders one RankStats; `largest_kv` (bytes) scales the bar across rows."""
+
+    stats: reactive[RankStats] = reactive(RankStats(0, "", "starting"))
+    largest_kv: reactive[int] = reactive(0)
+
+    def __init__(self, stats: RankStats) -> None:
+        super().__init__(classes="rank-row")
+        self.set_reactive(RankRow.stats, stats)
+
+    def watch_stats(self, stats: RankStats) -> None:
+        self.set_class(stats.state == "failed", "-failed")
+        self.tooltip = stats.error or None
+
+    def render(self) -> Text:
+        s = self.stats
+        style = STATE_STYLES.get(s.state, "")
+        text = Text.assemble((f"● {s.rank} ", style), (s.address or "—", "bold"), "  ", (s.state, style), "\n")
+        fraction = s.kv_bytes / self.largest_kv if self.largest_kv else 0.0
+        kv = f" {human_count(s.kv_tokens)} tok {human_bytes(s.kv_bytes)}\n"
+        text.append_text(Text.assemble("KV ", (bar(fraction, BAR_WIDTH), "magenta"), kv))
+        if s.state == "failed" and s.error:
+            text.append(s.error, "red")
+        else:
+            text.append(f"RSS {human_bytes(s.rss_bytes)}  MLX {human_bytes(s.mlx_active_bytes)}"
+                        f" (peak {human_bytes(s.mlx_peak_bytes)})", "dim")
+        return text
+
+
+class RanksPanel(VerticalGroup):
+    """Keeps a RankRow per rank in ring order; fed with RankStats by the app."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "Ranks"
+        self.rows: dict[int, RankRow] = {}
+
+    def set_ranks(self, ranks: list[RankStats]) -> None:
+        """Start over with these rows (a new ring)."""
+        for row in self.rows.values():
+            row.remove()
+        self.rows = {s.rank: RankRow(s) for s in ranks}
+        self.mount_all(self.rows.values())
+        self._rescale()
+
+    def update_stats(self, stats: RankStats) -> None:
+        row = self.rows.get(stats.rank)
+        if row is None:
+            row = self.rows[stats.rank] = RankRow(stats)
+            self.mount(row)
+        else:
+            row.stats = stats
+        self._rescale()
+
+    def mark(self, state: str, error: str = "", ranks: list[int] | None = None) -> None:
+        """Set the state of some (or all) rows without new stats, e.g. after a failure."""
+        from dataclasses import replace
+
+        for rank, row in self.rows.items():
+            if ranks is None or rank in ranks:
+                row.stats = replace(row.stats, state=state, error=error or row.stats.error)
+
+    def _rescale(self) -> None:
+        largest = max((r.stats.kv_bytes for r in self.rows.values()), default=0)
+        for row in self.rows.values():
+            row.largest_kv = largest
+
+    @property
+    def total_kv_tokens(self) -> int:
+        return sum(r.stats.kv_tokens for r in self.rows.values())

@@ -1,0 +1,77 @@
+"""Shared fixtures: small models built once per session, and rank clusters
+started once per (ranks) and reset between tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cpchat.client.cluster import Cluster
+from cpchat.smallmodels import write_model
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """model_dir(arch) -> path of a small float32 model of that architecture (built once)."""
+    root = tmp_path_factory.mktemp("models")
+    built: dict[str, Path] = {}
+
+    def get(arch: str = "llama") -> Path:
+        if arch not in built:
+            built[arch] = write_model(root / arch, arch, seed=ARCHS.index(arch) if arch in ARCHS else 0)
+        return built[arch]
+
+    return get
+
+
+class ClusterPool:
+    """One running cluster per rank count, with whichever model was loaded last."""
+
+    def __init__(self) -> None:
+        self.clusters: dict[int, Cluster] = {}
+        self.loaded: dict[int, str] = {}
+
+    def get(self, ranks: int, model: Path) -> Cluster:
+        cluster = self.clusters.get(ranks)
+        if cluster is None or any(r.local.process.poll() is not None for r in cluster.ranks):
+            if cluster is not None:
+                cluster.close()
+            cluster = self.clusters[ranks] = Cluster.launch(ranks)
+            cluster.connect()
+            self.loaded.pop(ranks, None)
+        if self.loaded.get(ranks) != str(model):
+            cluster.load(str(model))
+            self.loaded[ranks] = str(model)
+        cluster.reset(0)
+        return cluster
+
+    def drop(self, ranks: int) -> None:
+        """Forget a cluster a test has broken on purpose."""
+        cluster = self.clusters.pop(ranks, None)
+        self.loaded.pop(ranks, None)
+        if cluster is not None:
+            cluster.close()
+
+    def close(self) -> None:
+        for cluster in self.clusters.values():
+            cluster.close()
+
+
+@pytest.fixture(scope="session")
+def clusters():
+    pool = ClusterPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_user_dirs(tmp_path_factory):
+    """Keep config, data and cache of the app under test out of the real home."""
+    home = tmp_path_factory.mktemp("home")
+    for var, sub in (("XDG_CONFIG_HOME", "config"), ("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache")):
+        os.environ[var] = str(home / sub)
+    yield home

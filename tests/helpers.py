@@ -1,0 +1,51 @@
+"""Helpers shared by the integration tests."""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+import mlx_lm
+from mlx_lm.sample_utils import make_sampler
+
+from cpchat.client.events import Done, Prefill, Token
+from cpchat.client.session import SamplingOptions, Session, load_tokenizer
+
+
+@functools.cache
+def reference_model(path: Path):
+    return mlx_lm.load(str(path))
+
+
+def reference_generate(path: Path, ids: list[int], max_tokens: int) -> list[tuple[int, float]]:
+    """mlx-lm's own single-process greedy tokens and their logprobs."""
+    model, tokenizer = reference_model(path)
+    return [(r.token, float(r.logprobs[r.token]))
+            for r in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=max_tokens,
+                                            sampler=make_sampler(0.0))]
+
+
+def random_prompt(path: Path, length: int, seed: int) -> list[int]:
+    _, tokenizer = reference_model(path)
+    vocab = len(tokenizer.vocab)
+    rng = random.Random(seed)
+    stop = set(tokenizer.eos_token_ids)
+    return [t for t in (rng.randrange(3, vocab) for _ in range(length * 2)) if t not in stop][:length]
+
+
+def run_raw(cluster, path: Path, ids: list[int], algorithm: str, max_tokens: int):
+    """Generate through real ranks from token ids; returns (tokens, events)."""
+    session = Session(cluster, load_tokenizer(str(path)), raw=True, algorithm=algorithm,
+                      sampling=SamplingOptions(max_tokens=max_tokens, temperature=0.0))
+    events = list(session._generate(ids))
+    tokens = [(e.id, e.logprob) for e in events if isinstance(e, Token)]
+    return tokens, events, session
+
+
+def prefill_event(events) -> Prefill:
+    return next(e for e in events if isinstance(e, Prefill))
+
+
+def done_event(events) -> Done:
+    return next(e for e in events if isinstance(e, Done))

@@ -1,0 +1,87 @@
+"""Context-parallel generation through real rank processes equals mlx-lm's
+single-process greedy generation: same tokens, logprobs within 1e-3."""
+
+import pytest
+
+from helpers import done_event, prefill_event, random_prompt, reference_generate, run_raw
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+MAX_TOKENS = 8
+
+
+def assert_same(got, expected):
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, a), (_, b) in zip(got, expected, strict=True):
+        assert abs(a - b) <= 1e-3
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_short_prompts_all_algorithms(clusters, model_dir, arch, ranks):
+    path = model_dir(arch)
+    cluster = clusters.get(ranks, path)
+    for length in (1, 5, 2 * ranks * 3 + 1):
+        ids = random_prompt(path, length, seed=length)
+        expected = reference_generate(path, ids, MAX_TOKENS)
+        for algorithm in ("pass_kv", "pass_q", "auto"):
+            cluster.reset(0)
+            got, events, session = run_raw(cluster, path, ids, algorithm, MAX_TOKENS)
+            assert_same(got, expected)
+            used = prefill_event(events).algorithm
+            assert used == (session.last_choice.algorithm if algorithm == "auto" else algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ["pass_kv", "pass_q"])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_thousand_token_prompt(clusters, model_dir, arch, ranks, algorithm):
+    path = model_dir(arch)
+    cluster = clusters.get(ranks, path)
+    ids = random_prompt(path, 2001, seed=7)
+    got, events, _ = run_raw(cluster, path, ids, algorithm, MAX_TOKENS)
+    assert_same(got, reference_generate(path, ids, MAX_TOKENS))
+    done = done_event(events)
+    held = [r.kv_tokens for r in done.ranks]
+    total = len(ids) + MAX_TOKENS - 1
+    assert sum(held) == total
+    assert max(held) - min(held) <= -(-len(ids) // (2 * ranks)) + 1
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_kv_stays_balanced_through_decode(clusters, model_dir, ranks):
+    path = model_dir("llama")
+    cluster = clusters.get(ranks, path)
+    ids = random_prompt(path, 301, seed=11)
+    bound = -(-len(ids) // (2 * ranks))
+    _, events, _ = run_raw(cluster, path, ids, "pass_kv", 1)
+    held = [r.kv_tokens for r in done_event(events).ranks]
+    assert sum(held) == len(ids)
+    assert all(abs(h - len(ids) / ranks) <= bound for h in held)
+    cluster.reset(0)
+    _, events, _ = run_raw(cluster, path, ids, "pass_kv", 101)
+    done = done_event(events)
+    held = [r.kv_tokens for r in done.ranks]
+    # The last token is fed back only when generation stopped at an end-of-turn token.
+    assert sum(held) == len(ids) + done.generated_tokens - (done.generated_tokens == 101)
+    assert all(abs(h - sum(held) / ranks) <= bound + 1 for h in held)
+
+
+@pytest.mark.parametrize("algorithm", ["pass_kv", "pass_q", "auto"])
+def test_follow_up_turns_prefill_only_new_tokens(clusters, model_dir, algorithm):
+    """Three raw turns on one cluster equal one single-process run over the whole history."""
+    path = model_dir("qwen3")
+    cluster = clusters.get(3, path)
+    from cpchat.client.session import SamplingOptions, Session, load_tokenizer
+
+    session = Session(cluster, load_tokenizer(str(path)), raw=True, algorithm=algorithm,
+                      sampling=SamplingOptions(max_tokens=6, temperature=0.0))
+    history: list[int] = []
+    for turn, length in enumerate((200, 37, 5)):
+        new = random_prompt(path, length, seed=100 + turn)
+        events = list(session._generate(session.raw_history + new))
+        tokens = [(e.id, e.logprob) for e in events if hasattr(e, "logprob")]
+        history += new
+        assert_same(tokens, reference_generate(path, history, 6))
+        prefill = prefill_event(events)
+        assert prefill.cached_tokens == (0 if turn == 0 else len(history) - length - 1)
+        history += [t for t, _ in tokens]

@@ -1,0 +1,40 @@
+import pytest
+
+from cpchat.core.sharding import head_tail_layout, head_tail_positions, owner_of, padded_length
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_every_position_on_exactly_one_rank(n):
+    for seq_len in range(1, 301):
+        held = [head_tail_positions(seq_len, n, r) for r in range(n)]
+        flat = sorted(p for rank in held for p in rank)
+        assert flat == list(range(seq_len))
+        for r, positions in enumerate(held):
+            assert all(owner_of(p, seq_len, n) == r for p in positions)
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_causal_work_is_balanced_within_one_chunk(n):
+    for seq_len in range(1, 301):
+        chunk = padded_length(seq_len, n) // (2 * n)
+        # A query at position p sees p + 1 keys.
+        work = [sum(p + 1 for p in head_tail_positions(seq_len, n, r)) for r in range(n)]
+        # The costliest chunk (the last, before padding drops some of it) is chunk * padded pairs.
+        assert max(work) - min(work) <= chunk * padded_length(seq_len, n)
+
+
+def test_layout_rows_are_chunks_i_and_mirror():
+    layout = head_tail_layout(10, 2, 0)  # padded to 12, chunks of 3
+    assert layout.starts == (0, 9) and layout.chunk == 3
+    assert layout.positions() == [0, 1, 2, 9, 10, 11]
+    assert layout.real_mask() == [True, True, True, True, False, False]
+    assert head_tail_positions(10, 2, 1) == [3, 4, 5, 6, 7, 8]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [((10, 0, 0), "num_ranks"), ((0, 2, 0), "seq_len"), ((10, 2, 2), "rank"), ((10, 2, -1), "rank")],
+)
+def test_bad_arguments_name_the_problem(args, message):
+    with pytest.raises(ValueError, match=message):
+        head_tail_positions(*args)
