@@ -51,6 +51,7 @@ def rank_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", metavar="FILE")
     p.add_argument("--tls-ca", metavar="FILE", help="CA to verify the next rank's certificate")
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--cpu", type=int, help="pin this rank to one CPU core")
     return p
 
 
@@ -97,6 +98,8 @@ def run_rank(argv: list[str]) -> int:
         token = read_token(args.token_file) if args.token_file else None
         if not is_loopback(args.host) and token is None:
             raise UsageError(f"binding {args.host} needs --token-file: ranks off loopback must authenticate")
+        if args.cpu is not None:
+            os.sched_setaffinity(0, {args.cpu})
         if bool(args.tls_cert) != bool(args.tls_key):
             raise UsageError("--tls-cert and --tls-key go together")
         serve(
@@ -124,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = app_parser().parse_args(argv)
+    if args.print_config:
+        from cpchat.tui.config import print_config
+
+        return print_config(args)
     if args.headless:
         from cpchat.headless import run_headless
 

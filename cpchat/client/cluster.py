@@ -130,9 +130,9 @@ class Cluster:
     # ---- life cycle
 
     @classmethod
-    def launch(cls, num_ranks: int, fast_blas: bool = True) -> Cluster:
+    def launch(cls, num_ranks: int, fast_blas: bool = True, pin_cpus: bool = False) -> Cluster:
         try:
-            local = launch_local_ranks(num_ranks, fast_blas)
+            local = launch_local_ranks(num_ranks, fast_blas, pin_cpus)
         except LaunchError as e:
             raise BackendError(str(e)) from None
         return cls([r.address for r in local], local=local)
@@ -145,7 +145,7 @@ class Cluster:
     def is_local(self) -> bool:
         return all(r.local is not None for r in self.ranks)
 
-    def _each(self, fn: Callable[[RankHandle], object]) -> list[object]:
+    def _each(self, fn: Callable[[RankHandle], object], connecting: bool = False) -> list[object]:
         """Run fn on every rank at once; the first failure becomes a BackendError naming the rank."""
         futures = [self._pool.submit(fn, r) for r in self.ranks]
         results, errors = [], []
@@ -154,30 +154,29 @@ class Cluster:
                 results.append(f.result())
             except grpc.RpcError as e:
                 r.state = "failed"
-                errors.append(self._describe(r, e))
+                errors.append(self._describe(r, e, connecting=connecting))
         if errors:
             raise BackendError(errors[0])
         return results
 
-    def _describe(self, r: RankHandle, e: grpc.RpcError, phase: str = "") -> str:
+    def _describe(self, r: RankHandle, e: grpc.RpcError, phase: str = "", connecting: bool = False) -> str:
         code = e.code()
         where = f" during {phase}" if phase else ""
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            detail = e.details() or ""
-            if "ailed to connect" in detail or "onnection refused" in detail:
-                return f"{r.label} is unreachable{where}"
+            if connecting:
+                return f"{r.label} is unreachable"
             return f"{r.label} stopped answering{where}"
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return f"{r.label} refused the connection: wrong or missing token"
         return f"{r.label}: {e.details() or code.name}"
 
-    def connect(self, timeout: float = 10.0) -> None:
+    def connect(self, timeout: float = 5.0) -> None:
         """Wait until every rank answers, then tell each its place in the ring."""
 
         def health(r: RankHandle) -> None:
             r.control.Health(pb.HealthRequest(), timeout=timeout, metadata=self.metadata, wait_for_ready=True)
 
-        self._each(health)
+        self._each(health, connecting=True)
         self.ring_id = uuid.uuid4().hex
         addresses = [r.address for r in self.ranks]
 

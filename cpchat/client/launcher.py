@@ -52,8 +52,9 @@ def rank_environment(fast_blas: bool = True) -> dict[str, str]:
     return env
 
 
-def launch_local_ranks(n: int, fast_blas: bool = True, extra_args: list[str] | None = None) -> list[LocalRank]:
-    """Start n ranks at once and wait until each reports its address."""
+def launch_local_ranks(n: int, fast_blas: bool = True, pin_cpus: bool = False) -> list[LocalRank]:
+    """Start n ranks at once and wait until each reports its address.
+    With pin_cpus, rank i runs on core i (modulo the cores there are)."""
     if n < 1:
         raise LaunchError(f"--ranks must be at least 1, got {n}")
     env = rank_environment(fast_blas)
@@ -62,7 +63,9 @@ def launch_local_ranks(n: int, fast_blas: bool = True, extra_args: list[str] | N
     for i in range(n):
         log_path = log_dir / f"rank{i}.log"
         cmd = [sys.executable, "-m", "cpchat", "rank", "--host", "127.0.0.1", "--port", "0",
-               "--parent-pid", str(os.getpid()), *(extra_args or [])]
+               "--parent-pid", str(os.getpid())]
+        if pin_cpus:
+            cmd += ["--cpu", str(i % os.cpu_count())]
         with open(log_path, "wb") as log:
             process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
                                        env=env, start_new_session=True)

@@ -196,6 +196,7 @@ class Engine:
         together. On abort or failure the shard rolls back to keep_tokens."""
         self.validate(req)
         self.reset(req.keep_tokens)
+        mx.reset_peak_memory()
         start = self.total_tokens
         stop = set(req.stop_tokens)
 

@@ -38,6 +38,7 @@ SERVER_OPTIONS = [
     *KEEPALIVE,
 ]
 PROBE_BYTES = 4 << 20
+MAX_PROBE_BYTES = 256 << 20
 _END = object()
 
 
@@ -133,7 +134,7 @@ class RankState:
         abort.set()
         return True
 
-    def calibrate(self) -> tuple[float, float]:
+    def calibrate(self, probe_bytes: int = PROBE_BYTES, rounds: int = 3) -> tuple[float, float]:
         n = 512
         a = mx.random.normal((n, n))
         mx.eval(a @ a)
@@ -143,17 +144,17 @@ class RankState:
         flops = 8 * 2 * n**3 / (time.perf_counter() - t0)
         if self.ring is None or self.ring.size == 1:
             return flops, float("inf")
-        block = [mx.zeros((PROBE_BYTES // 4,), mx.float32)]
+        block = [mx.zeros((probe_bytes // 4,), mx.float32)]
         best = 0.0
         abort = threading.Event()
         request_id = f"calibrate-{self.ring_id}-{self.calibrations}"
         self.calibrations += 1
-        for round_ in range(3):
+        for round_ in range(rounds):
             key = BlockKey(request_id, 0, round_, pb.PROBE)
             t0 = time.perf_counter()
             self.ring.send(key, block)
             self.ring.take(key, abort)
-            best = max(best, PROBE_BYTES / (time.perf_counter() - t0))
+            best = max(best, block[0].nbytes / (time.perf_counter() - t0))
         self.ring.mailbox.forget(request_id)
         return flops, best
 
@@ -209,7 +210,8 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def Calibrate(self, request, context):
         try:
-            flops, bandwidth = self.s.calibrate()
+            probe = min(request.probe_bytes or PROBE_BYTES, MAX_PROBE_BYTES)
+            flops, bandwidth = self.s.calibrate(probe, min(max(request.rounds, 1), 20) if request.rounds else 3)
         except RingBroken as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return pb.CalibrateReply(flops_per_s=flops, ring_bytes_per_s=min(bandwidth, 1e15))
@@ -263,6 +265,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             if snapshot != last:
                 yield snapshot
                 last = snapshot
+            if request.once:
+                return
             time.sleep(interval)
 
     def Reset(self, request, context):

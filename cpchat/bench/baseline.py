@@ -1,0 +1,52 @@
+"""mlx-lm's own single-process generation, timed the same way as cpchat.
+
+Runs as a child process (`python -m cpchat.bench.baseline`) so it gets the
+same BLAS environment as the ranks; prints one JSON line per repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import mlx.core as mx
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--context", type=int, required=True)
+    p.add_argument("--decode", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=1)
+    args = p.parse_args()
+
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = mlx_lm.load(args.model)
+    ids = prompt_ids(len(tokenizer.vocab), args.context)
+    for _ in range(args.repeats):
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        t_first = last = None
+        for r in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=args.decode, sampler=make_sampler(0.0)):
+            last = r
+            t_first = t_first or time.perf_counter()
+        print(json.dumps({
+            "ttft_ms": 1000 * (t_first - t0),
+            "prefill_tokens_per_s": last.prompt_tps,
+            "decode_tokens_per_s": last.generation_tps,
+            "peak_bytes": mx.get_peak_memory(),
+        }), flush=True)
+
+
+def prompt_ids(vocab: int, length: int, seed: int = 0) -> list[int]:
+    """A reproducible prompt that avoids the special tokens at the start of the vocabulary."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""The benchmark driver: generation over growing contexts for N ranks next to
+mlx-lm, the ring transport next to mx.distributed, a Markdown table and a chart.
+
+Every figure is a ratio or a rate measured in the same run, on the same model
+and prompt, so a noisy machine shifts both sides alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from cpchat.bench.baseline import prompt_ids
+from cpchat.client.cluster import Cluster
+from cpchat.client.events import Done, Prefill
+from cpchat.client.launcher import rank_environment
+from cpchat.client.session import SamplingOptions, Session, load_tokenizer
+from cpchat.client.settings import REPO_ASSETS, cache_dir
+
+MB = 1 << 20
+
+
+@dataclass
+class Row:
+    system: str
+    ranks: int
+    context: int
+    ttft_ms: list[float] = field(default_factory=list)
+    prefill_tokens_per_s: list[float] = field(default_factory=list)
+    decode_tokens_per_s: list[float] = field(default_factory=list)
+    kv_bytes_per_rank: int = 0
+    peak_bytes_per_rank: int = 0
+    algorithm: str = ""
+    hidden_share: float | None = None
+    blas: str = "openblas"
+
+    def best(self, name: str) -> float:
+        values = getattr(self, name)
+        return (min if name == "ttft_ms" else max)(values) if values else 0.0
+
+    def median(self, name: str) -> float:
+        values = getattr(self, name)
+        return statistics.median(values) if values else 0.0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cpchat bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="a small preset that finishes in about two minutes")
+    p.add_argument("--model", help="mlx-lm model directory (default: a random llama of --hidden/--layers)")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--contexts", default="1024,2048,4096,8192,16384", help="comma-separated prompt lengths")
+    p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
+    p.add_argument("--decode", type=int, default=16, help="tokens to generate per run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--algorithm", default="pass_kv", choices=["auto", "pass_kv", "pass_q"])
+    p.add_argument("--pin", action="store_true", help="pin rank i to core i (and mlx-lm to core 0)")
+    p.add_argument("--blas", default="openblas", choices=["openblas", "reference", "both"])
+    p.add_argument("--transport", default="1,4,16,64", help="block sizes in MiB for the ring benchmark ('' skips)")
+    p.add_argument("--no-baseline", action="store_true", help="skip mlx-lm (e.g. for contexts it cannot hold)")
+    p.add_argument("--out", default=str(REPO_ASSETS / "bench"), help="where results.md/.json/.png go")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.quick:
+        args.hidden, args.layers, args.contexts, args.ranks = 256, 4, "512,1024", "1,2"
+        args.repeats, args.decode, args.transport = 1, 8, "1,16"
+    model = args.model or str(bench_model(args.hidden, args.layers))
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    ranks = [int(n) for n in args.ranks.split(",") if n]
+    blas_modes = ["openblas", "reference"] if args.blas == "both" else [args.blas]
+    rows: list[Row] = []
+    started = time.time()
+    for blas in blas_modes:
+        fast = blas == "openblas"
+        if not args.no_baseline:
+            for context in contexts:
+                rows.append(run_baseline(model, context, args, fast))
+                report_progress(rows[-1])
+        for n in ranks:
+            rows.extend(run_cpchat(model, n, contexts, args, fast))
+    transport = run_transport([int(s) * MB for s in args.transport.split(",") if s]) if args.transport else []
+    out = Path(args.out)
+    write_report(out, rows, transport, args, model, time.time() - started)
+    print(f"wrote {out / 'results.md'}", file=sys.stderr)
+    return 0
+
+
+def bench_model(hidden: int, layers: int) -> Path:
+    from cpchat.smallmodels import write_model
+
+    path = cache_dir() / f"bench-llama-h{hidden}-l{layers}"
+    if not (path / "model.safetensors").exists():
+        heads = max(4, hidden // 64)
+        write_model(path, "llama", hidden_size=hidden, num_layers=layers, num_heads=heads,
+                    num_kv_heads=max(1, heads // 4), intermediate_size=hidden * 3)
+    return path
+
+
+def report_progress(row: Row) -> None:
+    print(f"  {row.system:>12} ctx={row.context:>6} blas={row.blas}: ttft {row.best('ttft_ms'):.0f} ms, "
+          f"prefill {row.best('prefill_tokens_per_s'):.0f} tok/s, decode {row.best('decode_tokens_per_s'):.1f} tok/s",
+          file=sys.stderr, flush=True)
+
+
+def run_baseline(model: str, context: int, args, fast_blas: bool) -> Row:
+    cmd = [sys.executable, "-m", "cpchat.bench.baseline", "--model", model, "--context", str(context),
+           "--decode", str(args.decode), "--repeats", str(args.repeats)]
+    if args.pin:
+        cmd = ["taskset", "-c", "0"] + cmd
+    done = subprocess.run(cmd, capture_output=True, text=True, env=rank_environment(fast_blas), check=True)
+    row = Row("mlx-lm", 1, context, blas="openblas" if fast_blas else "reference")
+    for line in done.stdout.splitlines():
+        r = json.loads(line)
+        row.ttft_ms.append(r["ttft_ms"])
+        row.prefill_tokens_per_s.append(r["prefill_tokens_per_s"])
+        row.decode_tokens_per_s.append(r["decode_tokens_per_s"])
+        row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, r["peak_bytes"])
+    return row
+
+
+def run_cpchat(model: str, n: int, contexts: list[int], args, fast_blas: bool) -> list[Row]:
+    cluster = Cluster.launch(n, fast_blas=fast_blas, pin_cpus=args.pin)
+    rows = []
+    try:
+        cluster.connect()
+        cluster.load(model)
+        tokenizer = load_tokenizer(model)
+        bandwidth = cluster.calibrate(16 * MB) if n > 1 else 0.0
+        for context in contexts:
+            ids = prompt_ids(cluster.model.vocab_size, context)
+            row = Row(f"cpchat N={n}", n, context, blas="openblas" if fast_blas else "reference")
+            for _ in range(args.repeats):
+                cluster.reset(0)
+                session = Session(cluster, tokenizer, raw=True, algorithm=args.algorithm,
+                                  sampling=SamplingOptions(max_tokens=args.decode, temperature=0.0))
+                for event in session._generate(ids):
+                    if isinstance(event, Prefill):
+                        row.prefill_tokens_per_s.append(context / (event.ms / 1000))
+                        row.algorithm = event.algorithm
+                    elif isinstance(event, Done):
+                        row.ttft_ms.append(event.ttft_ms)
+                        row.decode_tokens_per_s.append(event.decode_tokens_per_s)
+                        row.kv_bytes_per_rank = max(r.kv_bytes for r in event.ranks)
+                stats = cluster.snapshot()
+                row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, max(s.mlx_peak_bytes for s in stats))
+            if n > 1:
+                row.hidden_share = hidden_share(cluster, ids, args, bandwidth)
+            rows.append(row)
+            report_progress(row)
+    finally:
+        cluster.close()
+    return rows
+
+
+def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> float:
+    """Share of pass-KV transfer time hidden behind compute in a prefill: 1 - waited / transfer,
+    where transfer is each received block's bytes over the measured ring bandwidth."""
+    cluster.reset(0)
+    session = Session(cluster, load_tokenizer(cluster.model.name), raw=True, algorithm="pass_kv",
+                      sampling=SamplingOptions(max_tokens=1, temperature=0.0))
+    list(session._generate(ids))
+    waited = transfer = 0.0
+    for stats in cluster.snapshot():
+        sent = {(t.layer, t.step): t.bytes_sent for t in stats.ring_steps}
+        for t in stats.ring_steps:
+            if t.step == 0:
+                continue
+            received = sent.get((t.layer, t.step - 1), 0)  # the block we forward is the one we received
+            waited += t.wait_ms / 1000
+            transfer += (received or sent.get((t.layer, 0), 0)) / bandwidth
+    return max(0.0, 1.0 - waited / transfer) if transfer else 0.0
+
+
+def run_transport(sizes: list[int]) -> list[dict]:
+    """The gRPC ring next to mx.distributed's ring backend, 2 local processes each."""
+    results = []
+    cluster = Cluster.launch(2)
+    try:
+        cluster.connect()
+        grpc_rates = {size: cluster.calibrate(size, rounds=3) for size in sizes}
+    finally:
+        cluster.close()
+    mx_rates = mx_distributed_rates(sizes)
+    for size in sizes:
+        results.append({"block_mib": size // MB, "grpc_ring_gb_s": grpc_rates[size] / 1e9,
+                        "mx_distributed_gb_s": mx_rates.get(size, 0.0) / 1e9})
+        print(f"  ring {size // MB:>3} MiB: cpchat {grpc_rates[size] / 1e9:.2f} GB/s, "
+              f"mx.distributed {mx_rates.get(size, 0.0) / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+    return results
+
+
+def mx_distributed_rates(sizes: list[int]) -> dict[int, float]:
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+    script = str(Path(__file__).with_name("mxdist.py"))
+    cmd = [launcher, "-n", "2", "--backend", "ring", "--", sys.executable, script,
+           ",".join(str(s) for s in sizes)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=rank_environment())
+        line = next(ln for ln in done.stdout.splitlines() if ln.startswith("{"))
+        return {int(k): v for k, v in json.loads(line).items()}
+    except (OSError, StopIteration, subprocess.TimeoutExpired, ValueError):
+        print("  mx.distributed comparison unavailable", file=sys.stderr)
+        return {}
+
+
+def write_report(out: Path, rows: list[Row], transport: list[dict], args, model: str, seconds: float) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    command = "cpchat bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    base = {(r.context, r.blas): r for r in rows if r.system == "mlx-lm"}
+    lines = [
+        "# cpchat bench", "",
+        f"Command: `{command.strip()}`  ",
+        f"Model: `{Path(model).name}`; {args.repeats} repeat(s), best of them (median in the JSON); "
+        f"{args.decode} decoded tokens; {os.cpu_count()} cores; took {seconds:.0f} s.", "",
+        "| system | BLAS | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s | vs mlx-lm "
+        "| KV MiB/rank | peak MiB/rank | hidden comm |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        b = base.get((r.context, r.blas))
+        pre_ratio = f"{r.best('prefill_tokens_per_s') / b.best('prefill_tokens_per_s'):.2f}×" if b else ""
+        dec_ratio = f"{r.best('decode_tokens_per_s') / b.best('decode_tokens_per_s'):.2f}×" if b else ""
+        hidden = f"{100 * r.hidden_share:.0f}%" if r.hidden_share is not None else ""
+        lines.append(
+            f"| {r.system} | {r.blas} | {r.context} | {r.best('ttft_ms'):.0f} | {r.best('prefill_tokens_per_s'):.0f} "
+            f"| {pre_ratio} | {r.best('decode_tokens_per_s'):.1f} | {dec_ratio} | {r.kv_bytes_per_rank / MB:.1f} "
+            f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} |")
+    if transport:
+        lines += ["", "| ring block | cpchat gRPC ring GB/s | mx.distributed ring GB/s |", "|---:|---:|---:|"]
+        lines += [f"| {t['block_mib']} MiB | {t['grpc_ring_gb_s']:.2f} | {t['mx_distributed_gb_s']:.2f} |"
+                  for t in transport]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps({"command": command, "rows": [asdict(r) for r in rows],
+                                                  "transport": transport}, indent=1))
+    write_chart(out / "results.png", rows)
+
+
+def write_chart(path: Path, rows: list[Row]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  matplotlib is not installed (pip install 'cpchat[bench]'): no chart", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for system in dict.fromkeys(r.system for r in rows):
+        mine = [r for r in rows if r.system == system and r.blas == rows[0].blas]
+        xs = [r.context for r in mine]
+        axes[0].plot(xs, [r.best("prefill_tokens_per_s") for r in mine], marker="o", label=system)
+        axes[1].plot(xs, [r.best("decode_tokens_per_s") for r in mine], marker="o", label=system)
+    for ax, title in zip(axes, ("prefill tokens/s", "decode tokens/s"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,221 @@
+"""The headless CLI contract of design §1, through the real `cpchat` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+import pytest
+
+from helpers import reference_generate, reference_model
+
+CPCHAT = [sys.executable, "-m", "cpchat"]
+
+
+def rank_processes(parent_pid: int) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "rank" in cmd and "--parent-pid" in cmd and cmd[cmd.index("--parent-pid") + 1] == str(parent_pid):
+            found.append(p)
+    return found
+
+
+def wait_gone(parent_pid: int, timeout: float = 10.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in rank_processes(parent_pid) if p.is_running() and p.status() != "zombie"]):
+        if time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+    return []
+
+
+def run(args: list[str], stdin: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    p = subprocess.Popen(CPCHAT + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    out, err = p.communicate(stdin, timeout=timeout)
+    assert wait_gone(p.pid) == [], "rank processes outlived the front end"
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def one_line_error(result: subprocess.CompletedProcess, code: int, words: str) -> None:
+    assert result.returncode == code, result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("cpchat"), result.stderr
+    assert words in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def events(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines()]
+
+
+def test_json_events_match_mlx_lm(model_dir):
+    path = model_dir("llama")
+    prompt = "The quick brown fox jumps over the lazy dog."
+    result = run(["--headless", "--json", "--raw", "--temp", "0", "--max-tokens", "6", "--model", str(path),
+                  "--ranks", "2", "--prompt", prompt])
+    assert result.returncode == 0, result.stderr
+    evs = events(result.stdout)
+    assert [e["event"] for e in evs] == ["ready", "prefill"] + ["token"] * (len(evs) - 3) + ["done"]
+    ready, prefill, done = evs[0], evs[1], evs[-1]
+    assert [r["rank"] for r in ready["ranks"]] == [0, 1]
+    assert all(r["address"].startswith("127.0.0.1:") for r in ready["ranks"])
+    _, tokenizer = reference_model(path)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert prefill["turn"] == 0 and prefill["new_tokens"] == len(ids) and prefill["cached_tokens"] == 0
+    assert prefill["algorithm"] in ("pass_kv", "pass_q") and prefill["ms"] > 0
+    expected = reference_generate(path, ids, 6)
+    tokens = [e for e in evs if e["event"] == "token"]
+    assert [t["id"] for t in tokens] == [t for t, _ in expected]
+    assert all(abs(t["logprob"] - lp) <= 1e-3 for t, (_, lp) in zip(tokens, expected, strict=True))
+    assert done["prompt_tokens"] == len(ids) and done["generated_tokens"] == len(tokens)
+    assert done["ttft_ms"] > 0 and [r["rank"] for r in done["ranks"]] == [0, 1]
+    assert sum(r["kv_tokens"] for r in done["ranks"]) == len(ids) + len(tokens) - 1
+    assert all(r["kv_bytes"] > 0 and r["rss_bytes"] > 0 for r in done["ranks"])
+
+
+def test_plain_output_and_stdin_turns_share_one_conversation(model_dir):
+    """Three raw stdin turns equal one single-process run over the whole history."""
+    path = model_dir("qwen2")
+    turns = ["first turn text", "second one", "and the third"]
+    result = run(["--headless", "--json", "--raw", "--temp", "0", "--max-tokens", "4", "--model", str(path),
+                  "--ranks", "3", "--algorithm", "pass_q"], stdin="\n".join(turns) + "\n")
+    assert result.returncode == 0, result.stderr
+    evs = events(result.stdout)
+    _, tokenizer = reference_model(path)
+    history: list[int] = []
+    for turn, text in enumerate(turns):
+        history += tokenizer.encode(text, add_special_tokens=False)
+        got = [e["id"] for e in evs if e["event"] == "token" and e["turn"] == turn]
+        assert got == [t for t, _ in reference_generate(path, history, 4)]
+        prefill = next(e for e in evs if e["event"] == "prefill" and e["turn"] == turn)
+        assert prefill["cached_tokens"] == (0 if turn == 0 else len(history) - prefill["new_tokens"])
+        history += got
+
+    plain = run(["--headless", "--raw", "--temp", "0", "--max-tokens", "4", "--model", str(path), "--ranks", "1",
+                 "--prompt", turns[0]])
+    first = [e for e in evs if e["event"] == "token" and e["turn"] == 0]
+    assert plain.returncode == 0
+    assert plain.stdout == "".join(e["text"] for e in first) + "\n"
+
+
+def test_documents_reach_the_prompt(model_dir, tmp_path):
+    path = model_dir("llama")
+    doc = tmp_path / "notes.txt"
+    doc.write_text("The access code for the Orion vault is 4812-KX.\n" * 20)
+    line = json.dumps({"content": "What is the code?", "docs": [str(doc)]})
+    result = run(["--headless", "--json", "--max-tokens", "2", "--model", str(path), "--ranks", "2"],
+                 stdin=line + "\nthanks\n")
+    assert result.returncode == 0, result.stderr
+    prefills = [e for e in events(result.stdout) if e["event"] == "prefill"]
+    _, tokenizer = reference_model(path)
+    assert prefills[0]["new_tokens"] > len(tokenizer.encode(doc.read_text()))
+    assert prefills[1]["cached_tokens"] > prefills[0]["new_tokens"] - 1
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [(["--model", "/nonexistent/model", "--prompt", "hi"], "does not exist"),
+     (["--prompt-file", "/nonexistent/q.txt"], "prompt file /nonexistent/q.txt does not exist"),
+     (["--prompt", "hi", "--doc", "/nonexistent/book.txt"], "document /nonexistent/book.txt does not exist"),
+     (["--prompt", "   "], "empty"),
+     (["--prompt", "hi", "--attach", "nocolon"], "bad rank address"),
+     (["--prompt", "hi", "--ranks", "0"], "ranks")],
+)
+def test_bad_input_exits_2_with_one_line(model_dir, args, words):
+    if "--model" not in args:
+        args = args + ["--model", str(model_dir("llama"))]
+    one_line_error(run(["--headless"] + args, timeout=60), 2, words)
+
+
+def test_unreachable_rank_exits_3(model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = run(["--headless", "--model", str(model_dir("llama")), "--prompt", "hi",
+                  "--attach", f"127.0.0.1:{port}"], timeout=60)
+    one_line_error(result, 3, f"rank 0 (127.0.0.1:{port}) is unreachable")
+
+
+def test_unsupported_architecture_is_refused(tmp_path, model_dir):
+    """A sliding-window llama loads in mlx-lm but must not run context-parallel."""
+    import shutil
+
+    path = tmp_path / "sliding"
+    shutil.copytree(model_dir("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    (path / "config.json").write_text(json.dumps(config))
+    result = run(["--headless", "--model", str(path), "--prompt", "hi", "--ranks", "2"], timeout=90)
+    one_line_error(result, 2, "not supported for context parallelism")
+
+
+def test_rank_refuses_public_bind_without_token_and_taken_port():
+    result = subprocess.run(CPCHAT + ["rank", "--host", "0.0.0.0", "--port", "0"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "--token-file" in result.stderr and "Traceback" not in result.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        result = subprocess.run(CPCHAT + ["rank", "--port", str(port)], capture_output=True, text=True,
+                                timeout=60)
+    assert result.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_ranks_never_outlive_the_front_end(model_dir, sig):
+    p = subprocess.Popen(CPCHAT + ["--headless", "--json", "--model", str(model_dir("llama")), "--ranks", "2"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = json.loads(p.stdout.readline())  # the front end now waits for a turn on stdin
+        assert ready["event"] == "ready"
+        assert len(rank_processes(p.pid)) == 2
+        os.kill(p.pid, sig)
+        p.wait(timeout=30)
+        assert wait_gone(p.pid) == []
+        if sig != signal.SIGKILL:
+            assert "Traceback" not in p.stderr.read()
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_rank_refuses_bad_tokens_and_second_generation(clusters, model_dir):
+    from cpchat.protocol import cpchat_pb2 as pb
+
+    path = model_dir("llama")
+    cluster = clusters.get(2, path)
+    rank0 = cluster.ranks[0].control
+    with pytest.raises(grpc.RpcError) as err:
+        list(rank0.Generate(pb.GenerateRequest(request_id="bad", tokens=[1, 10**6], max_tokens=1)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "outside the vocabulary" in err.value.details()
+    # Rank 0 alone waits for rank 1's blocks: it stays busy until cancelled.
+    stream = rank0.Generate(pb.GenerateRequest(request_id="solo", tokens=[5] * 50, max_tokens=5))
+    deadline = time.monotonic() + 30
+    while rank0.Health(pb.HealthRequest()).state != "busy":
+        assert time.monotonic() < deadline, "rank 0 never started the request"
+    with pytest.raises(grpc.RpcError) as err:
+        list(rank0.Generate(pb.GenerateRequest(request_id="second", tokens=[5], max_tokens=1)))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "busy" in err.value.details()
+    assert rank0.Cancel(pb.CancelRequest(request_id="solo")).cancelled
+    assert [e.WhichOneof("event") for e in stream][-1] == "done"
+    tokens = [e.id for e in cluster_tokens(cluster, [5, 6, 7])]
+    assert len(tokens) == 3
+
+
+def cluster_tokens(cluster, ids):
+    from cpchat.protocol import cpchat_pb2 as pb
+
+    request = pb.GenerateRequest(tokens=ids, max_tokens=3)
+    return [e.token for e in cluster.generate(request) if e.WhichOneof("event") == "token"]
