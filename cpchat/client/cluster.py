@@ -332,6 +332,21 @@ class Cluster:
         for s in streams:
             s.cancel()
 
+    def snapshot(self) -> list[RankStats]:
+        """Every rank's stats right now, in rank order."""
+
+        def once(r: RankHandle) -> RankStats:
+            reply = r.control.Stats(pb.StatsRequest(once=True), timeout=10, metadata=self.metadata)
+            return _rank_stats(r, next(iter(reply)))
+
+        return self._each(once)
+
+    def calibrate(self, probe_bytes: int = 4 << 20, rounds: int = 3) -> float:
+        """Ring bandwidth (bytes/s, the slowest link) for blocks of probe_bytes."""
+        request = pb.CalibrateRequest(probe_bytes=probe_bytes, rounds=rounds)
+        replies = self._each(lambda r: r.control.Calibrate(request, timeout=120, metadata=self.metadata))
+        return min(c.ring_bytes_per_s for c in replies)
+
     def stats(self, interval_s: float = 0.25, stop: threading.Event | None = None) -> Iterator[RankStats]:
         """Merge the ranks' stats streams into RankStats snapshots; ends when every stream does
         (on close(), or once `stop` is set: that cancels the streams of a cluster that stays open)."""
