@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cpchat.bench.baseline import prompt_ids
-from cpchat.client.cluster import Cluster
+from cpchat.client.cluster import Cluster, RankStats, _rank_stats
+from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.client.events import Done, Prefill
 from cpchat.client.launcher import rank_environment
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
@@ -96,6 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def snapshot(cluster: Cluster) -> list[RankStats]:
+    """Every rank's stats right now, in rank order."""
+    return [_rank_stats(r, next(iter(r.control.Stats(pb.StatsRequest(once=True), timeout=10,
+                                                       metadata=cluster.metadata))))
+            for r in cluster.ranks]
+
+
+def ring_bandwidth(cluster: Cluster, probe_bytes: int, rounds: int = 3) -> float:
+    """Bytes/s of the slowest ring link for blocks of probe_bytes (all ranks probe at once)."""
+    request = pb.CalibrateRequest(probe_bytes=probe_bytes, rounds=rounds)
+    calls = [r.control.Calibrate.future(request, timeout=300, metadata=cluster.metadata) for r in cluster.ranks]
+    return min(c.result().ring_bytes_per_s for c in calls)
+
+
 def bench_model(hidden: int, layers: int) -> Path:
     from cpchat.smallmodels import write_model
 
@@ -136,7 +151,7 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, fast_blas: bool) -
         cluster.connect()
         cluster.load(model)
         tokenizer = load_tokenizer(model)
-        bandwidth = cluster.calibrate(16 * MB) if n > 1 else 0.0
+        bandwidth = ring_bandwidth(cluster, 16 * MB) if n > 1 else 0.0
         for context in contexts:
             ids = prompt_ids(cluster.model.vocab_size, context)
             row = Row(f"cpchat N={n}", n, context, blas="openblas" if fast_blas else "reference")
@@ -152,7 +167,7 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, fast_blas: bool) -
                         row.ttft_ms.append(event.ttft_ms)
                         row.decode_tokens_per_s.append(event.decode_tokens_per_s)
                         row.kv_bytes_per_rank = max(r.kv_bytes for r in event.ranks)
-                stats = cluster.snapshot()
+                stats = snapshot(cluster)
                 row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, max(s.mlx_peak_bytes for s in stats))
             if n > 1:
                 row.hidden_share = hidden_share(cluster, ids, args, bandwidth)
@@ -171,7 +186,7 @@ def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> fl
                       sampling=SamplingOptions(max_tokens=1, temperature=0.0))
     list(session._generate(ids))
     waited = transfer = 0.0
-    for stats in cluster.snapshot():
+    for stats in snapshot(cluster):
         sent = {(t.layer, t.step): t.bytes_sent for t in stats.ring_steps}
         for t in stats.ring_steps:
             if t.step == 0:
@@ -188,7 +203,7 @@ def run_transport(sizes: list[int]) -> list[dict]:
     cluster = Cluster.launch(2)
     try:
         cluster.connect()
-        grpc_rates = {size: cluster.calibrate(size, rounds=3) for size in sizes}
+        grpc_rates = {size: ring_bandwidth(cluster, size) for size in sizes}
     finally:
         cluster.close()
     mx_rates = mx_distributed_rates(sizes)

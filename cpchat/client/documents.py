@@ -42,10 +42,14 @@ def read_document(path: Path) -> Document:
     return Document(path.name, text, size)
 
 
-def render_document(doc: Document) -> str:
-    return f'<document name="{doc.name}">\n{doc.text.rstrip()}\n</document>'
+def render_document(name: str, text: str) -> str:
+    """One attached document as it appears inside a user message (the demo model is trained on this)."""
+    return f'<document name="{name}">\n{text.strip()}\n</document>'
 
 
 def render_user_turn(documents: list[Document], text: str) -> str:
-    """Documents first, then the user's words."""
-    return "\n\n".join([render_document(d) for d in documents] + ([text] if text else []))
+    """Documents first, then the user's words (as they are, when there is no document)."""
+    if not documents:
+        return text
+    parts = [render_document(d.name, d.text) for d in documents]
+    return "\n\n".join(parts + ([text.strip()] if text.strip() else []))

@@ -80,8 +80,10 @@ def partial_attention(
         m = mx.full((B, Hkv, groups * tq), _NEG_INF)
         denom = mx.zeros((B, Hkv, groups * tq))
         acc = mx.zeros((B, Hkv, groups * tq, D))
-        for k0 in range(0, Lk, tile):
-            k1 = min(k0 + tile, Lk)
+        # Bound the score block to about tile x tile per KV head: few queries (decode) get long key tiles.
+        k_tile = max(tile, tile * tile // (groups * tq))
+        for k0 in range(0, Lk, k_tile):
+            k1 = min(k0 + k_tile, Lk)
             k_lo, k_hi = int(kp[k0:k1].min()), int(kp[k0:k1].max())
             if k_lo > q_hi:
                 continue  # every key in the future of every query
@@ -100,7 +102,8 @@ def partial_attention(
         lse = mx.where(seen, m + mx.log(mx.where(seen, denom, 1.0)), _NEG_INF)
         out = out.reshape(B, Hkv, groups, tq, D)
         lse = lse.reshape(B, Hkv, groups, tq)
-        mx.eval(out, lse)  # bound memory: one query tile's graph at a time
+        if Lq > tile:
+            mx.eval(out, lse)  # bound memory: one query tile's graph at a time
         outs.append(out)
         lses.append(lse)
 

@@ -66,7 +66,8 @@ class RingPass:
         rows, heads, chunk, dim = queries.shape
         q = _flatten_rows(queries)
         k, v, k_pos = self.kv.layer(layer)
-        mx.eval(q, *(a for a in (k, v) if a is not None))
+        if self.ring.size > 1:  # blocks must be concrete before they travel
+            mx.eval(q, *(a for a in (k, v) if a is not None))
         run = {"pass_kv": self._pass_kv, "pass_q": self._pass_q, "decode": self._gather_partials}[self.mode]
         out = run(layer, q, k, v, k_pos, scale)
         if self.on_layer is not None:
@@ -81,6 +82,8 @@ class RingPass:
         return partial_attention(q, k, v, q_pos, k_pos, scale)
 
     def _timed_local(self, timing: StepTiming, q, q_pos, k, v, k_pos, scale):
+        if self.ring.size == 1:  # nothing to overlap or report: stay lazy, one graph per forward
+            return self._local(q, q_pos, k, v, k_pos, scale)
         t0 = time.perf_counter()
         out, lse = self._local(q, q_pos, k, v, k_pos, scale)
         mx.eval(out, lse)

@@ -15,7 +15,7 @@ import numpy as np
 
 from cpchat.protocol import cpchat_pb2 as pb
 
-CHUNK_BYTES = 2 << 20
+CHUNK_BYTES = 4 << 20
 MAX_TENSORS = 8
 MAX_BLOCK_BYTES = 8 << 30
 
