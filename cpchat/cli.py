@@ -102,6 +102,8 @@ def run_rank(argv: list[str]) -> int:
             os.sched_setaffinity(0, {args.cpu})
         if bool(args.tls_cert) != bool(args.tls_key):
             raise UsageError("--tls-cert and --tls-key go together")
+        if args.tls_cert and not args.tls_ca:
+            raise UsageError("--tls-cert needs --tls-ca: ranks verify their next neighbour's certificate")
         serve(
             args.host, args.port, token,
             tls_cert=read_bytes(args.tls_cert, "TLS certificate"),

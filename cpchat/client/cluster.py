@@ -3,12 +3,14 @@ load, generate, watch health, and tear down. Reaches ranks only over gRPC."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -75,6 +77,7 @@ class GenerationWatch:
 
     phase: str = "prefill"
     layer: int = 0
+    tokens: int = 0
     failure: str | None = None
     results: dict[int, RankResult] = field(default_factory=dict)
 
@@ -92,7 +95,7 @@ def parse_addresses(text: str) -> list[str]:
 
 def read_hostfile(path: str) -> list[str]:
     try:
-        lines = open(path, encoding="utf-8").read().splitlines()
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise BadInput(f"cannot read hostfile {path}: {e.strerror}") from None
     entries = [ln.split("#", 1)[0].strip() for ln in lines]
@@ -149,7 +152,7 @@ class Cluster:
         """Run fn on every rank at once; the first failure becomes a BackendError naming the rank."""
         futures = [self._pool.submit(fn, r) for r in self.ranks]
         results, errors = [], []
-        for r, f in zip(self.ranks, futures):
+        for r, f in zip(self.ranks, futures, strict=True):
             try:
                 results.append(f.result())
             except grpc.RpcError as e:
@@ -163,8 +166,13 @@ class Cluster:
         code = e.code()
         where = f" during {phase}" if phase else ""
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            detail = e.details() or ""
+            if "CERTIFICATE_VERIFY_FAILED" in detail or "andshake" in detail:
+                return f"{r.label} failed the TLS check: its certificate is not signed by the --tls-ca given"
             if connecting:
-                return f"{r.label} is unreachable"
+                tls_hint = "Socket closed" in detail and not self.tls_ca
+                hint = " (if it serves TLS, pass --tls-ca)" if tls_hint else ""
+                return f"{r.label} is unreachable{hint}"
             return f"{r.label} stopped answering{where}"
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return f"{r.label} refused the connection: wrong or missing token"
@@ -174,7 +182,14 @@ class Cluster:
         """Wait until every rank answers, then tell each its place in the ring."""
 
         def health(r: RankHandle) -> None:
-            r.control.Health(pb.HealthRequest(), timeout=timeout, metadata=self.metadata, wait_for_ready=True)
+            request = pb.HealthRequest()
+            try:
+                r.control.Health(request, timeout=timeout, metadata=self.metadata, wait_for_ready=True)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                # Waiting hides why the connection failed; one plain call reports it.
+                r.control.Health(request, timeout=2.0, metadata=self.metadata)
 
         self._each(health, connecting=True)
         self.ring_id = uuid.uuid4().hex
@@ -213,7 +228,8 @@ class Cluster:
         p = infos[0]
         self.model = ModelInfo(model, p.model_type, p.num_layers, p.num_q_heads, p.num_kv_heads,
                                p.vocab_size, p.bytes_per_element, p.max_context)
-        results = self._each(lambda r: r.control.Calibrate(pb.CalibrateRequest(), timeout=30, metadata=self.metadata))
+        results = self._each(lambda r: r.control.Calibrate(pb.CalibrateRequest(), timeout=30,
+                                                           metadata=self.metadata))
         self.flops_per_s = min(c.flops_per_s for c in results)
         self.ring_bytes_per_s = min(c.ring_bytes_per_s for c in results)
         return self.model
@@ -222,10 +238,8 @@ class Cluster:
         """Shut local ranks down (and wait for them); leave attached ranks running."""
         for r in self.ranks:
             if r.local is not None:
-                try:
+                with contextlib.suppress(grpc.RpcError):
                     r.control.Shutdown(pb.ShutdownRequest(), timeout=1.0, metadata=self.metadata)
-                except grpc.RpcError:
-                    pass
         for r in self.ranks:
             if r.local is not None:
                 r.local.stop()
@@ -239,16 +253,29 @@ class Cluster:
                                              metadata=self.metadata))
 
     def cancel(self) -> None:
-        request_id = self._current_request
-        for r in self.ranks:
+        """Ask every rank at once to abort the running request (a hung rank costs one deadline)."""
+        request = pb.CancelRequest(request_id=self._current_request)
+        calls = [r.control.Cancel.future(request, timeout=2.0, metadata=self.metadata) for r in self.ranks]
+        for call in calls:
+            with contextlib.suppress(grpc.RpcError):
+                call.result()
+
+    def unanswering(self, timeout: float = HEALTH_DEADLINE_S) -> list[tuple[RankHandle, grpc.RpcError]]:
+        """Ranks that do not answer Health within timeout (all asked at once), in ring order."""
+        calls = [(r, r.control.Health.future(pb.HealthRequest(), timeout=timeout, metadata=self.metadata))
+                 for r in self.ranks]
+        failed = []
+        for r, call in calls:
             try:
-                r.control.Cancel(pb.CancelRequest(request_id=request_id), timeout=2.0, metadata=self.metadata)
-            except grpc.RpcError:
-                pass
+                call.result()
+            except grpc.RpcError as e:
+                failed.append((r, e))
+        return failed
 
     def generate(self, request: pb.GenerateRequest) -> Iterator[pb.GenerateEvent]:
         """Run one request on every rank; yield rank 0's events (progress, prefill,
-        tokens, then done). A failing rank cancels the others and raises BackendError."""
+        tokens, then done). A failing rank cancels the others and raises BackendError
+        naming it and the phase; the survivors drop the request and stay usable."""
         if not self._lock.acquire(blocking=False):
             raise BackendError("a generation is already running on this cluster")
         request.request_id = request.request_id or uuid.uuid4().hex
@@ -257,11 +284,12 @@ class Cluster:
         self.last_results = watch.results
         events: queue.Queue = queue.Queue()
         finished = threading.Event()
+        streams = []
         try:
             streams = [r.control.Generate(request, metadata=self.metadata) for r in self.ranks]
-            readers = [self._pool.submit(self._read, r, s, watch, events) for r, s in zip(self.ranks, streams)]
-            monitor = threading.Thread(target=self._monitor, args=(watch, finished, events), daemon=True)
-            monitor.start()
+            readers = [self._pool.submit(self._read, r, s, watch, events)
+                       for r, s in zip(self.ranks, streams, strict=True)]
+            threading.Thread(target=self._monitor, args=(watch, finished, events), daemon=True).start()
             remaining = len(self.ranks)
             while remaining:
                 kind, payload = events.get()
@@ -269,8 +297,8 @@ class Cluster:
                     remaining -= 1
                 elif kind == "event":
                     yield payload
-                elif kind == "failure" and watch.failure is None:
-                    watch.failure = payload
+                elif watch.failure is None:
+                    watch.failure = payload if kind == "failure" else self._blame(*payload, watch)
                     self._abort_all(streams)
             for f in readers:
                 f.result()
@@ -280,6 +308,8 @@ class Cluster:
             yield pb.GenerateEvent(done=done)
         finally:
             finished.set()
+            if watch.failure is None and any(s.is_active() for s in streams):
+                self._abort_all(streams)  # the caller stopped reading early
             self._current_request = ""
             self._lock.release()
 
@@ -296,56 +326,62 @@ class Cluster:
                         watch.phase = "decode"
                     elif which == "progress":
                         watch.layer = event.progress.layer
+                    elif which == "token":
+                        watch.tokens += 1
                     events.put(("event", event))
             r.state = "ready"
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED and watch.failure:
+            code = e.code()
+            if code == grpc.StatusCode.CANCELLED and watch.failure:
                 r.state = "ready"
+            elif code == grpc.StatusCode.ABORTED:  # its ring link broke: the culprit may be a neighbour
+                r.state = "ready"
+                events.put(("ring", (r, e)))
             else:
-                r.state = "failed" if e.code() in (grpc.StatusCode.UNAVAILABLE,) else "ready"
+                gone = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                r.state = "failed" if gone else "ready"
                 result.error = self._describe(r, e, self._phase(watch))
                 events.put(("failure", result.error))
         finally:
             events.put(("end", r.rank))
 
+    def _blame(self, reporter: RankHandle, error: grpc.RpcError, watch: GenerationWatch) -> str:
+        """A rank reported a broken ring link: name the rank that no longer answers, if any."""
+        failed = self.unanswering()
+        if failed:
+            r, e = failed[0]
+            r.state = "failed"
+            return self._describe(r, e, self._phase(watch))
+        return self._describe(reporter, error, self._phase(watch))
+
     def _phase(self, watch: GenerationWatch) -> str:
         if watch.phase == "prefill" and watch.layer:
             return f"prefill, layer {watch.layer}"
+        if watch.phase == "decode":
+            return f"decode, token {watch.tokens + 1}"
         return watch.phase
 
     def _monitor(self, watch: GenerationWatch, finished: threading.Event, events: queue.Queue) -> None:
-        """Ping every rank while the generation runs: a hung rank is named within seconds."""
+        """Ping every rank while the generation runs: a hung or cut-off rank is named within seconds."""
         while not finished.wait(HEALTH_INTERVAL_S):
-            for r in self.ranks:
-                try:
-                    r.control.Health(pb.HealthRequest(), timeout=HEALTH_DEADLINE_S, metadata=self.metadata)
-                except grpc.RpcError as e:
-                    if finished.is_set():
-                        return
-                    r.state = "failed"
-                    events.put(("failure", self._describe(r, e, self._phase(watch))))
-                    return
+            failed = self.unanswering()
+            if failed and not finished.is_set():
+                r, e = failed[0]
+                r.state = "failed"
+                events.put(("failure", self._describe(r, e, self._phase(watch))))
+                return
 
     def _abort_all(self, streams) -> None:
-        """Stop the request on every surviving rank (their KV rolls back)."""
-        self.cancel()
+        """Stop the request on every rank (their KV rolls back). Waits only for the survivors'
+        answers, so that a Configure right after finds them idle or winding down."""
         for s in streams:
             s.cancel()
-
-    def snapshot(self) -> list[RankStats]:
-        """Every rank's stats right now, in rank order."""
-
-        def once(r: RankHandle) -> RankStats:
-            reply = r.control.Stats(pb.StatsRequest(once=True), timeout=10, metadata=self.metadata)
-            return _rank_stats(r, next(iter(reply)))
-
-        return self._each(once)
-
-    def calibrate(self, probe_bytes: int = 4 << 20, rounds: int = 3) -> float:
-        """Ring bandwidth (bytes/s, the slowest link) for blocks of probe_bytes."""
-        request = pb.CalibrateRequest(probe_bytes=probe_bytes, rounds=rounds)
-        replies = self._each(lambda r: r.control.Calibrate(request, timeout=120, metadata=self.metadata))
-        return min(c.ring_bytes_per_s for c in replies)
+        calls = [(r, r.control.Cancel.future(pb.CancelRequest(request_id=self._current_request), timeout=2.0,
+                                             metadata=self.metadata)) for r in self.ranks]
+        for r, call in calls:
+            if r.state != "failed":
+                with contextlib.suppress(grpc.RpcError):
+                    call.result()
 
     def stats(self, interval_s: float = 0.25, stop: threading.Event | None = None) -> Iterator[RankStats]:
         """Merge the ranks' stats streams into RankStats snapshots; ends when every stream does

@@ -66,7 +66,7 @@ class CpchatApp(App[int]):
     launches or attaches its own from `args`. `start_backend=False` leaves the backend
     out entirely, for snapshots that post messages themselves."""
 
-    CSS_PATH = "app.tcss"
+    CSS_PATH = Path(__file__).with_name("app.tcss")
     TITLE = "cpchat"
     BINDINGS = [
         Binding("escape", "stop", "Stop", show=True),
@@ -102,13 +102,13 @@ class CpchatApp(App[int]):
         self.store = TranscriptStore(transcripts or data_dir() / "transcripts")
         self.exit_message = ""
         self.turns_done = 0
-        self._closing = threading.Event()
+        self._shutting_down = threading.Event()
         self._stats_stop = threading.Event()
         self._answer: ChatMessage | None = None
         self._stream = None
         self._answer_text = ""
         self._tokens = 0
-        self._first_token_at = 0.0
+        self._first_token_at = self._sent_at = 0.0
         self._cancelled = False
         self._failed_ranks: set[int] = set()
         self._ring_steps: dict[int, RankStats] = {}
@@ -157,10 +157,10 @@ class CpchatApp(App[int]):
 
                 cluster = connect_cluster(self.args or _default_args(), n)
                 self.cluster, self.own_cluster = cluster, cluster.is_local
-                if self._closing.is_set():
+                if self._shutting_down.is_set():
                     return
                 self._post_rank_states(cluster, "loading")
-                cluster.load(model_path, on_progress=lambda d, t: self.post_message(WorkProgress("load", d, t)))
+                cluster.load(model_path, on_progress=self._load_progress)
             assert self.cluster is not None and self.model_path is not None
             if self.cluster.model is None:
                 self.cluster.load(self.model_path)
@@ -170,6 +170,9 @@ class CpchatApp(App[int]):
             self.post_message(BackendFailed(str(e), startup=True, exit_code=2))
         except BackendError as e:
             self.post_message(BackendFailed(str(e), startup=True, exit_code=3))
+
+    def _load_progress(self, done: int, total: int) -> None:
+        self.post_message(WorkProgress("load", done, total))
 
     def _ready_message(self, description: str = "") -> BackendReady:
         assert self.cluster is not None and self.cluster.model is not None
@@ -256,11 +259,11 @@ class CpchatApp(App[int]):
             cluster = Cluster.launch(n)
             cluster.connect()
             self.cluster, self.own_cluster = cluster, True
-            if self._closing.is_set():
+            if self._shutting_down.is_set():
                 return
             self._post_rank_states(cluster, "loading")
             assert self.model_path is not None
-            cluster.load(self.model_path, on_progress=lambda d, t: self.post_message(WorkProgress("load", d, t)))
+            cluster.load(self.model_path, on_progress=self._load_progress)
             self.post_message(self._ready_message())
             self.post_message(Notice("Ranks relaunched; the next turn re-reads the conversation."))
         except (BackendError, BadInput) as e:
@@ -272,11 +275,12 @@ class CpchatApp(App[int]):
         if message.total <= 0 or (message.phase != "prefill" and message.done >= message.total):
             bar.hide()
         else:
-            bar.show(message.phase, WORK_LABELS.get(message.phase, message.phase), message.done, message.total)
+            label = WORK_LABELS.get(message.phase, message.phase)
+            bar.show(message.phase, label, message.done, message.total)
 
     def on_unmount(self) -> None:
         """Stop everything that waits on the ranks; close the ranks we launched."""
-        self._closing.set()
+        self._shutting_down.set()
         self._stats_stop.set()
         if self.busy and self.session is not None:
             self.session.cancel()
@@ -290,11 +294,10 @@ class CpchatApp(App[int]):
     async def on_submitted(self, event: ChatInput.Submitted) -> None:
         text = event.text.strip()
         prompt = self.query_one(ChatInput)
-        if text.startswith("/"):
-            if await self._slash_command(text):
-                prompt.remember(text)
-                prompt.clear()
-                return
+        if text.startswith("/") and await self._slash_command(text):
+            prompt.remember(text)
+            prompt.clear()
+            return
         chips = self.query_one(AttachmentBar).chips()
         if not text and not chips:
             return
@@ -321,10 +324,11 @@ class CpchatApp(App[int]):
         transcript = self.query_one(Transcript)
         self._answer = ChatMessage("assistant", "")
         self._answer.add_class("-streaming")
-        await transcript.mount_all([ChatMessage("user", entry.text or "*(documents only)*", entry.docs), self._answer])
+        question = ChatMessage("user", entry.text or "*(documents only)*", entry.docs)
+        await transcript.mount_all([question, self._answer])
         self._stream = Markdown.get_stream(self._answer)
         self._answer_text, self._tokens, self._cancelled = "", 0, False
-        self._first_token_at = 0.0
+        self._first_token_at, self._sent_at = 0.0, time.monotonic()
         self.busy = True
         transcript.scroll_end(animate=False)
 
@@ -367,6 +371,8 @@ class CpchatApp(App[int]):
         now = time.monotonic()
         if not self._tokens:
             self._first_token_at = now
+            # time to first token as seen here; Done brings the client's own figure
+            self.query_one(ThroughputPanel).ttft_ms = 1000 * (now - self._sent_at)
         self._tokens += message.count
         self._answer_text += message.text
         if self._stream is not None:
@@ -408,7 +414,7 @@ class CpchatApp(App[int]):
                     "failed", message.error, [r.rank for r in self.cluster.ranks if r.state == "failed"])
                 self._failed_ranks.update(r.rank for r in self.cluster.ranks if r.state == "failed")
                 self._report_failure(message.error)
-            else:
+            elif not self.failed:  # a failed rank was already reported by its stats stream
                 self.notify(message.error, severity="error", timeout=10)
         self.busy = False
         self._answer = None
@@ -431,7 +437,7 @@ class CpchatApp(App[int]):
         if action == "stop":
             return True if self.busy else None
         if action == "relaunch":
-            return True if self.failed else None
+            return self.failed
         return True
 
     # ---- attachments
@@ -508,7 +514,8 @@ class CpchatApp(App[int]):
 
     def get_system_commands(self, screen: Screen):
         yield from super().get_system_commands(screen)
-        yield SystemCommand("Attach file", "Pick a document to include in the next message", self.action_attach_file)
+        yield SystemCommand("Attach file", "Pick a document to include in the next message",
+                            self.action_attach_file)
         yield SystemCommand("Clear conversation", "Forget the conversation and the ranks' KV cache",
                             self.action_clear)
         for algorithm in ALGORITHMS:
@@ -597,7 +604,8 @@ class CpchatApp(App[int]):
         self.entries = TranscriptStore.load(last)
         self.store.path = last
         transcript = self.query_one(Transcript)
-        transcript.mount_all(ChatMessage(e.role, e.text or "*(documents only)*", e.docs) for e in self.entries)
+        transcript.mount_all(ChatMessage(e.role, e.text or "*(documents only)*", e.docs)
+                             for e in self.entries)
         self.notify(f"Resumed {last.name} ({len(self.entries)} messages).")
 
 

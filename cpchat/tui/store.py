@@ -49,7 +49,7 @@ class TranscriptStore:
         """Queue a record; the writer thread appends and fsyncs (coalescing bursts of tokens)."""
         with self._lock:
             if self._writer is None or not self._writer.is_alive():
-                self._writer = threading.Thread(target=self._write_loop, name="transcript-writer", daemon=True)
+                self._writer = threading.Thread(target=self._write_loop, name="transcripts", daemon=True)
                 self._writer.start()
             self._queue.put((self.path, record))
 

@@ -35,13 +35,13 @@ class ChatInput(TextArea):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(soft_wrap=True, tab_behavior="focus", show_line_numbers=False, **kwargs)
-        self.history: list[str] = []
+        self.prompts: list[str] = []
         self._recall: int | None = None  # index into history while browsing
         self._draft = ""
 
     def remember(self, text: str) -> None:
-        if text.strip() and (not self.history or self.history[-1] != text):
-            self.history.append(text)
+        if text.strip() and (not self.prompts or self.prompts[-1] != text):
+            self.prompts.append(text)
         self._recall = None
 
     def action_submit(self) -> None:
@@ -67,23 +67,23 @@ class ChatInput(TextArea):
             self.action_newline()
             return
         row = self.cursor_location[0]
-        if key == "up" and row == 0 and self.history:
+        if key == "up" and row == 0 and self.prompts:
             event.stop()
             event.prevent_default()
             if self._recall is None:
-                self._draft, self._recall = self.text, len(self.history)
+                self._draft, self._recall = self.text, len(self.prompts)
             self._recall = max(0, self._recall - 1)
-            self._show(self.history[self._recall])
+            self._show(self.prompts[self._recall])
             return
         if key == "down" and self._recall is not None and row == self.document.line_count - 1:
             event.stop()
             event.prevent_default()
             self._recall += 1
-            if self._recall >= len(self.history):
+            if self._recall >= len(self.prompts):
                 self._recall = None
                 self._show(self._draft)
             else:
-                self._show(self.history[self._recall])
+                self._show(self.prompts[self._recall])
         # anything else falls through to TextArea._on_key (Textual dispatches along the MRO)
 
     async def _on_paste(self, event: events.Paste) -> None:

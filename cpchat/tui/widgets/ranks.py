@@ -38,7 +38,8 @@ class RankRow(Widget):
     def render(self) -> Text:
         s = self.stats
         style = STATE_STYLES.get(s.state, "")
-        text = Text.assemble((f"● {s.rank} ", style), (s.address or "—", "bold"), "  ", (s.state, style), "\n")
+        head = [(f"● {s.rank} ", style), (s.address or "—", "bold"), "  ", (s.state, style), "\n"]
+        text = Text.assemble(*head)
         fraction = s.kv_bytes / self.largest_kv if self.largest_kv else 0.0
         kv = f" {human_count(s.kv_tokens)} tok {human_bytes(s.kv_bytes)}\n"
         text.append_text(Text.assemble("KV ", (bar(fraction, BAR_WIDTH), "magenta"), kv))

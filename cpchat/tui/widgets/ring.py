@@ -19,8 +19,8 @@ GLYPHS = {
     "P": ("┏━┓", "┣━┛", "╹  "),
     "A": ("┏━┓", "┣━┫", "╹ ╹"),
     "S": ("┏━╸", "┗━┓", "╺━┛"),
-    "K": ("╻ ╻", "┣┳┛", "╹┗╸"),
-    "V": ("╻ ╻", "┃ ┃", "┗┳┛"),
+    "K": ("╻┏╸", "┣┻┓", "╹ ╹"),
+    "V": ("╻  ╻", "┗┓┏┛", " ┗┛ "),
     "Q": ("┏━┓", "┃ ┃", "┗━╋"),
     "U": ("╻ ╻", "┃ ┃", "┗━┛"),
     "T": ("╺┳╸", " ┃ ", " ╹ "),
@@ -56,7 +56,7 @@ def step_totals(steps: list[RingStep]) -> list[tuple[int, float, float, int]]:
 class RingChart(Widget):
     """Per-step stacked bars: compute (green) then waiting on the neighbour (yellow)."""
 
-    steps: reactive[list[RingStep]] = reactive(list, always_update=True)
+    steps: reactive[list[RingStep]] = reactive(list, always_update=True, layout=True)
     pass_name: reactive[str] = reactive("")
 
     def render(self) -> Text:
@@ -110,7 +110,7 @@ class RingPanel(VerticalGroup):
         chart.steps = steps
 
     def _refresh_text(self) -> None:
-        if not self.is_mounted:
+        if not self.children:  # not composed yet; on_mount comes back
             return
         choice = self.choice
         big = choice.algorithm if choice else (self.mode if self.mode != "auto" else "auto")

@@ -1,0 +1,68 @@
+"""Render the README screenshot: the real app, real local ranks, a document attached, mid-answer.
+
+    python -m cpchat.tui.screenshot [--model DIR] [--out assets/screenshot]
+
+Writes OUT.svg (app.save_screenshot) and OUT.png (via rsvg-convert, when installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from cpchat.client.settings import REPO_ASSETS, Settings, resolve_model
+from cpchat.tui.app import CpchatApp
+from cpchat.tui.widgets import AttachmentChip, ChatInput
+
+
+async def capture(model: str, out: Path, document: Path, question: str) -> None:
+    from textual import events
+
+    model_path, _ = resolve_model(model)
+    app = CpchatApp(Settings(model=model, max_tokens=400, seed=7), _args(model))
+    async with app.run_test(size=(150, 46)) as pilot:
+        async def until(condition, timeout: float = 120.0) -> None:
+            deadline = time.monotonic() + timeout
+            while not condition():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("screenshot: timed out")
+                await pilot.pause(0.05)
+
+        await until(lambda: app.session is not None)
+        app.query_one(ChatInput).focus()
+        app.post_message(events.Paste(f"'{document}'"))
+        await until(lambda: any(c.tokens for c in app.query(AttachmentChip)))
+        app.query_one(ChatInput).load_text(question)
+        await pilot.press("enter")
+        await until(lambda: app._tokens >= 8 or (app.turns_done and not app.busy))
+        await pilot.pause()
+        app.query_one(ChatInput).cursor_blink = False
+        svg = app.save_screenshot(filename=out.with_suffix(".svg").name, path=str(out.parent))
+        await pilot.press("escape")
+        await until(lambda: not app.busy)
+    if shutil.which("rsvg-convert"):
+        subprocess.run(["rsvg-convert", "-z", "0.8", svg, "-o", str(out.with_suffix(".png"))], check=True)
+
+
+def _args(model: str) -> argparse.Namespace:
+    from cpchat.cli import app_parser
+
+    return app_parser().parse_args(["--model", model] if model else [])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="")
+    p.add_argument("--out", type=Path, default=REPO_ASSETS / "screenshot")
+    p.add_argument("--doc", type=Path, default=REPO_ASSETS / "sample-doc.txt")
+    p.add_argument("--question", default="What is the access code for the vault, and where is it written?")
+    args = p.parse_args()
+    asyncio.run(capture(args.model, args.out, args.doc.resolve(), args.question))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""`cpchat bench` end to end on a tiny configuration: it writes its table, JSON and chart."""
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_writes_results(tmp_path, model_dir):
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, "-m", "cpchat", "bench", "--model", str(model_dir("llama")), "--contexts", "64,128",
+         "--ranks", "1,2", "--repeats", "1", "--decode", "4", "--transport", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads((out / "results.json").read_text())
+    systems = {(r["system"], r["context"]) for r in data["rows"]}
+    assert systems == {(s, c) for s in ("mlx-lm", "cpchat N=1", "cpchat N=2") for c in (64, 128)}
+    for row in data["rows"]:
+        assert row["prefill_tokens_per_s"][0] > 0 and row["decode_tokens_per_s"][0] > 0
+        if row["system"] == "cpchat N=2":
+            assert 0.0 <= row["hidden_share"] <= 1.0 and row["kv_bytes_per_rank"] > 0
+    assert data["transport"][0]["grpc_ring_gb_s"] > 0
+    table = (out / "results.md").read_text()
+    assert "| cpchat N=2 | openblas | 128 |" in table or "| cpchat N=2 | reference | 128 |" in table

@@ -1,0 +1,314 @@
+"""Pilot tests of the TUI against real local ranks running a small random-weights model.
+
+Random weights answer gibberish, so these check structure: tokens arrived,
+rows per rank, KV held, the algorithm shown — never the words.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from textual.pilot import Pilot
+
+from cpchat.cli import main
+from cpchat.client.settings import Settings
+from cpchat.tui.app import CpchatApp
+from cpchat.tui.screens import HelpScreen
+from cpchat.tui.store import TranscriptStore
+from cpchat.tui.widgets import AttachmentChip, BigText, ChatInput, ChatMessage, RankRow, Transcript
+
+SIZE = (140, 44)
+RANKS = 2
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def until(pilot: Pilot, condition: Callable[[], object], timeout: float = 60.0, what: str = "") -> None:
+    """Poll a condition with a deadline (the ranks run at their own pace)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        await pilot.pause(0.05)
+
+
+@pytest.fixture
+def model(model_dir) -> Path:
+    return model_dir("llama")
+
+
+@pytest.fixture
+def make_app(clusters, model, tmp_path) -> Callable[..., CpchatApp]:
+    def make(max_tokens: int = 8, cls: type[CpchatApp] = CpchatApp, **kwargs) -> CpchatApp:
+        cluster = clusters.get(RANKS, model)
+        return cls(Settings(max_tokens=max_tokens, seed=1), cluster=cluster, model_path=str(model),
+                         transcripts=tmp_path / "transcripts", **kwargs)
+
+    return make
+
+
+async def ready(pilot: Pilot) -> CpchatApp:
+    app = pilot.app
+    await until(pilot, lambda: app.session is not None, what="the session")
+    return app
+
+
+async def send(pilot: Pilot, text: str) -> None:
+    app = pilot.app
+    before = app.turns_done
+    prompt = app.query_one(ChatInput)
+    prompt.load_text(text)
+    prompt.focus()
+    await pilot.press("enter")
+    await until(pilot, lambda: app.turns_done > before and not app.busy, what="the answer")
+
+
+def assistant_messages(app: CpchatApp) -> list[ChatMessage]:
+    return [m for m in app.query(ChatMessage) if m.role == "assistant"]
+
+
+def chips(app: CpchatApp) -> list[AttachmentChip]:
+    return list(app.query(AttachmentChip))
+
+
+async def paste(pilot: Pilot, text: str) -> None:
+    from textual import events
+
+    """A bracketed paste as the terminal driver delivers it: to the app, which forwards it to the focus."""
+    pilot.app.query_one(ChatInput).focus()
+    pilot.app.post_message(events.Paste(text))
+    await pilot.pause()
+
+
+class WatchedApp(CpchatApp):
+    """Records how much answer text was shown before each token message (streaming, not one block).
+    Textual runs CpchatApp.on_tokens_arrived after this one (handlers are dispatched along the MRO)."""
+
+    seen: list[int]
+
+    def on_tokens_arrived(self, message) -> None:
+        self.seen = getattr(self, "seen", [])
+        self.seen.append(len(self._answer_text))
+
+
+async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
+    app = make_app(cls=WatchedApp)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "What does the document say?")
+        assert len(app.seen) > 1 and app.seen == sorted(app.seen), "tokens arrive one by one"
+        answer = assistant_messages(app)[-1]
+        assert app.entries[-1].role == "assistant" and app.entries[-1].text
+        assert answer.source == app.entries[-1].text
+        rows = list(app.query(RankRow))
+        assert len(rows) == RANKS
+        await until(pilot, lambda: all(r.stats.kv_tokens > 0 for r in rows), what="KV on every rank")
+        assert all(r.stats.kv_bytes > 0 and r.stats.state in ("ready", "idle") for r in rows)
+        assert {r.stats.address for r in rows} == {h.address for h in app.cluster.ranks}
+        assert app.query_one(BigText).text in ("pass_kv", "pass_q")
+        assert app.session.last_choice.algorithm == app.query_one(BigText).text
+        from cpchat.tui.widgets import ThroughputPanel
+
+        panel = app.query_one(ThroughputPanel)
+        assert panel.ttft_ms and panel.ttft_ms > 0 and panel.prefill_tps and panel.context_used > 0
+        # Up recalls the prompt just sent
+        await pilot.press("up")
+        assert app.query_one(ChatInput).text == "What does the document say?"
+        await pilot.press("down")
+        assert app.query_one(ChatInput).text == ""
+    app.store.flush()
+    saved = TranscriptStore.load(app.store.path)
+    assert [e.role for e in saved] == ["user", "assistant"] and saved[1].text == app.entries[-1].text
+
+
+async def test_multiline_input_and_history(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        prompt = app.query_one(ChatInput)
+        prompt.focus()
+        await pilot.press("a", "ctrl+j", "b")
+        assert prompt.text == "a\nb"
+        assert app.turns_done == 0
+
+
+def drop_forms(a: Path, b: Path) -> dict[str, tuple[str, list[Path]]]:
+    """Every way a terminal pastes dropped files."""
+    escaped = str(a).replace(" ", "\\ ")
+    return {
+        "plain": (str(b), [b]),
+        "single-quoted": (f"'{a}'", [a]),
+        "double-quoted": (f'"{a}"', [a]),
+        "backslash-escaped": (escaped, [a]),
+        "file-uri": ("file://" + quote(str(a)), [a]),
+        "two-files-spaces": (f"{escaped} {b}", [a, b]),
+        "two-files-newlines": (f"'{a}'\n{b}\n", [a, b]),
+        "two-uris": (f"file://{quote(str(a))} file://{quote(str(b))}", [a, b]),
+    }
+
+
+async def test_paste_of_paths_attaches_in_every_form(make_app, tmp_path):
+    a = tmp_path / "notes with spaces.txt"
+    a.write_text("The vault code is 4812-KX.\n" * 20)
+    b = tmp_path / "plain.md"
+    b.write_text("# Plain\n\nOrion and Lyra.\n")
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        for form, (text, expected) in drop_forms(a, b).items():
+            await paste(pilot, text)
+            count = len(expected)
+            await until(pilot, lambda n=count: len(chips(app)) == n, what=f"chips for {form}")
+            assert [c.path for c in chips(app)] == [p.resolve() for p in expected], form
+            assert all(c.tokens and c.tokens > 0 for c in chips(app)), form
+            assert app.query_one(ChatInput).text == "", f"{form} must not insert text"
+            for chip in chips(app):
+                await pilot.click(chip.query_one(".chip-remove"))
+            await until(pilot, lambda: not chips(app), what="chips removed")
+        # attach both and send: the documents go into the user turn with their names
+        await paste(pilot, f"'{a}' '{b}'")
+        await until(pilot, lambda: len(chips(app)) == 2)
+        await send(pilot, "What is the code?")
+        user = app.session.messages[0]
+        assert user.docs == [a.name, b.name]
+        assert f'<document name="{a.name}">' in user.content and "4812-KX" in user.content
+        assert not chips(app)
+        first = next(m for m in app.query(ChatMessage) if m.role == "user")
+        assert a.name in str(first.border_subtitle)
+
+
+async def test_non_path_paste_stays_text(make_app, tmp_path):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await paste(pilot, "hello world, it's /not/a/file.txt")
+        assert app.query_one(ChatInput).text == "hello world, it's /not/a/file.txt"
+        assert not chips(app)
+
+
+async def test_attach_command_and_bad_files(make_app, tmp_path):
+    good = tmp_path / "report v2.txt"
+    good.write_text("Altair and Vega.\n")
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(b"\x00\x01\x02" * 100)
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        for command in (f"/attach '{good}'", f"/attach {binary}", f"/attach {tmp_path / 'missing.txt'}"):
+            app.query_one(ChatInput).load_text(command)
+            await pilot.press("enter")
+            await until(pilot, lambda: not [w for w in app.workers if w.group == "attach" and w.is_running])
+            await pilot.pause()
+        assert [c.path for c in chips(app)] == [good.resolve()]
+        notes = [n.message for n in app._notifications]
+        assert any("looks binary" in n for n in notes) and any("no such file" in n for n in notes)
+        assert app.turns_done == 0 and app.query_one(ChatInput).text == ""
+
+
+async def test_escape_stops_the_answer_and_keeps_it(make_app):
+    app = make_app(max_tokens=4000)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        app.query_one(ChatInput).load_text("Tell me everything.")
+        await pilot.press("enter")
+        await until(pilot, lambda: app._tokens >= 3, what="the first tokens")
+        await pilot.press("escape")
+        await until(pilot, lambda: not app.busy, timeout=20, what="the stop")
+        answer = assistant_messages(app)[-1]
+        assert answer.border_subtitle == "stopped"
+        assert app.entries[-1].role == "assistant" and app.entries[-1].text
+        assert app.session.messages[-1].content == app.entries[-1].text
+        assert len(app.session.tokenizer.encode(app.entries[-1].text)) < 4000
+
+
+async def run_palette(pilot: Pilot, query: str) -> None:
+    await pilot.press("ctrl+p")
+    await until(pilot, lambda: pilot.app.screen.__class__.__name__ == "CommandPalette")
+    await pilot.press(*query)
+    await pilot.pause(0.3)
+    await pilot.press("enter")
+    await pilot.pause()
+
+
+async def test_palette_actions(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await run_palette(pilot, "Algorithm: pass_q")
+        assert app.session.algorithm == "pass_q"
+        await send(pilot, "First question")
+        assert app.query_one(BigText).text == "pass_q" and app.session.last_choice.forced
+        await run_palette(pilot, "Export transcript")
+        from cpchat.client.settings import data_dir
+
+        exported = sorted((data_dir() / "exports").glob("*.md"))
+        assert exported and "First question" in exported[-1].read_text()
+        await run_palette(pilot, "Show help")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        await run_palette(pilot, "Clear conversation")
+        await until(pilot, lambda: not app.query_one(Transcript).children, what="cleared transcript")
+        assert app.session.messages == [] and app.entries == []
+        rows = list(app.query(RankRow))
+        await until(pilot, lambda: all(r.stats.kv_tokens == 0 for r in rows), what="KV reset on the ranks")
+        await run_palette(pilot, "Attach file")
+        assert app.screen.__class__.__name__ == "FilePicker"
+        await pilot.press("escape")
+
+
+async def test_transcript_resumes(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Remember Orion.")
+    app.store.flush()
+    again = make_app(resume=True)
+    async with again.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        shown = [m.role for m in again.query(ChatMessage)]
+        assert shown == ["user", "assistant"]
+        assert [m.content for m in again.session.messages] == [e.content for e in app.entries]
+        await send(pilot, "And then?")  # re-prefills the resumed conversation
+        assert len(again.session.messages) == 4
+
+
+def test_print_config_and_startup_failure(capsys, monkeypatch):
+    monkeypatch.setenv("CPCHAT_MAX_TOKENS", "77")
+    assert main(["--print-config", "--ranks", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ranks      = 3" in out and "flag --ranks" in out and "CPCHAT_MAX_TOKENS" in out
+    assert main(["--model", "/no/such/model"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["cpchat: model path /no/such/model does not exist"]
+
+
+async def test_dead_rank_turns_red_and_relaunch_continues(make_app, clusters):
+    """Runs last: it breaks the shared cluster on purpose and drops it."""
+    app = make_app()
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "Before the failure.")
+            app.cluster.ranks[1].local.process.kill()
+            rows = list(app.query(RankRow))
+            await until(pilot, lambda: rows[1].stats.state == "failed", timeout=30, what="the failed row")
+            assert rows[1].has_class("-failed")
+            assert any(n.title == "Rank failed" for n in app._notifications)
+            assert len(app.query(ChatMessage)) == 2, "the transcript stays"
+            await pilot.press("ctrl+r")
+            await until(pilot, lambda: not app.failed and app.own_cluster, timeout=90, what="relaunch")
+            rows = list(app.query(RankRow))
+            assert [r.stats.state for r in rows] == ["ready", "ready"]
+            await send(pilot, "After the relaunch.")
+            await until(pilot, lambda: all(r.stats.kv_tokens > 0 for r in app.query(RankRow)),
+                        what="KV after re-prefill")
+            assert len(app.session.messages) == 4
+    finally:
+        clusters.drop(RANKS)

@@ -1,0 +1,113 @@
+"""Snapshots of the main TUI states, frozen by posting the backend's messages ourselves.
+
+No ranks, clocks, pids or real addresses: every number on screen comes from
+the fixed messages below, so the SVGs are stable. Update with
+`pytest tests/test_tui_snapshots.py --snapshot-update` after a deliberate change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cpchat.client.cluster import ModelInfo
+from cpchat.client.documents import Document
+from cpchat.client.events import AlgorithmChoice, Prefill, RankStats, RingStep
+from cpchat.client.settings import Settings
+from cpchat.tui.app import CpchatApp
+from cpchat.tui.messages import (
+    BackendReady,
+    DocumentRead,
+    PrefillDone,
+    RankInfo,
+    StatsArrived,
+    TokensArrived,
+    TurnFinished,
+    WorkProgress,
+)
+from cpchat.tui.store import Entry
+from cpchat.tui.widgets import ChatInput, ThroughputPanel
+
+SIZE = (140, 44)
+MODEL = ModelInfo("demo-model", "llama", 4, 4, 2, 512, 4, 131072)
+RANKS = [RankInfo(0, "127.0.0.1:7070"), RankInfo(1, "127.0.0.1:7071")]
+DOC_TEXT = "Chapter 1\n\nThe vault code is 4812-KX.\n" * 300
+CHOICE = AlgorithmChoice("pass_kv", False, 9120, 0, 1.0, 0.5, 4096.0, "miss rate 1.000 >= 0.500")
+ANSWER = (
+    "The document says the vault code is **4812-KX**. It appears in every chapter:\n\n"
+    "| chapter | code |\n|---|---|\n| 1 | 4812-KX |\n\n"
+    "```python\ncode = \"4812-KX\"\n"
+)
+
+
+def steps(rank: int) -> list[RingStep]:
+    return [RingStep(layer, step, 3.0 + step + rank, 0.5 + 2 * step, 262144)
+            for layer in range(4) for step in range(2)]
+
+
+def stats(rank: int, state: str, kv_tokens: int, error: str = "") -> RankStats:
+    return RankStats(rank, RANKS[rank].address, state, kv_tokens, kv_tokens * 512, 420 << 20, 96 << 20,
+                     160 << 20, "pass_kv", steps(rank) if kv_tokens else [], error)
+
+
+def make_app() -> CpchatApp:
+    return CpchatApp(Settings(), start_backend=False, transcripts=Path("/nonexistent/cpchat-snapshots"))
+
+
+async def ready(pilot) -> None:
+    app: CpchatApp = pilot.app
+    app.query_one(ChatInput).cursor_blink = False
+    app.post_message(BackendReady(MODEL, RANKS))
+    await pilot.pause()
+    for rank in (0, 1):
+        app.post_message(StatsArrived(stats(rank, "ready", 0)))
+    await pilot.pause()
+
+
+async def attach(pilot) -> None:
+    await ready(pilot)
+    doc = Document("vault manual.txt", DOC_TEXT, len(DOC_TEXT))
+    pilot.app.post_message(DocumentRead(Path("/docs/vault manual.txt"), doc, 9104))
+    pilot.app.query_one(ChatInput).load_text("What is the vault code?")
+    await pilot.pause()
+
+
+async def mid_answer(pilot) -> None:
+    app: CpchatApp = pilot.app
+    await ready(pilot)
+    entry = Entry("user", "What is the vault code?", "…", ["vault manual.txt"])
+    await app.show_turn(entry)
+    app.post_message(WorkProgress("prefill", 4, 4))
+    app.post_message(PrefillDone(Prefill(0, 9120, 0, "pass_kv", 1824.0), CHOICE))
+    for rank, kv in ((0, 4566), (1, 4570)):
+        app.post_message(StatsArrived(stats(rank, "busy", kv)))
+    app.post_message(TokensArrived(ANSWER, 1))
+    await pilot.pause()
+    await pilot.pause()
+    panel = app.query_one(ThroughputPanel)
+    panel.ttft_ms, panel.decode_tps = 1902.4, 41.3
+    await pilot.pause()
+
+
+async def failed_rank(pilot) -> None:
+    app: CpchatApp = pilot.app
+    await mid_answer(pilot)
+    app.post_message(StatsArrived(stats(1, "failed", 0, "rank 1 (127.0.0.1:7071) stopped answering")))
+    app.post_message(TurnFinished(error="rank 1 (127.0.0.1:7071) stopped answering during decode"))
+    await pilot.pause()
+    await pilot.pause()
+
+
+def test_snapshot_empty(snap_compare):
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=ready)
+
+
+def test_snapshot_document_attached(snap_compare):
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=attach)
+
+
+def test_snapshot_mid_answer(snap_compare):
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=mid_answer)
+
+
+def test_snapshot_failed_rank(snap_compare):
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=failed_rank)

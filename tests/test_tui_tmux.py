@@ -1,0 +1,84 @@
+"""The real `cpchat` in a real terminal (tmux): start, answer, show the ranks, quit clean."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+
+
+class Tmux:
+    def __init__(self, socket: str) -> None:
+        self.socket = socket
+
+    def __call__(self, *args: str) -> str:
+        return subprocess.run(["tmux", "-L", self.socket, *args], check=True, capture_output=True,
+                              text=True).stdout
+
+    def screen(self) -> str:
+        return self("capture-pane", "-p", "-t", "main")
+
+    def wait_for(self, condition, timeout: float, what: str) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.screen()
+            if condition(text):
+                return text
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; screen:\n{text}")
+            time.sleep(0.2)
+
+
+def rank_processes(root: int) -> list[psutil.Process]:
+    """`cpchat rank` processes launched (via --parent-pid) by a process under the tmux pane."""
+    try:
+        family = {root} | {p.pid for p in psutil.Process(root).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "rank" in cmd and "--parent-pid" in cmd and int(cmd[cmd.index("--parent-pid") + 1]) in family:
+            found.append(p)
+    return found
+
+
+def kv_tokens(screen: str) -> list[int]:
+    return [int(n) for n in re.findall(r"KV [^\d\n]*(\d+) tok", screen)]
+
+
+def test_cpchat_runs_in_tmux(model_dir, tmp_path):
+    model = model_dir("llama")
+    tmux = Tmux(f"cpchat-test-{os.getpid()}")
+    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "cpchat", "--model", str(model),
+                                                 "--ranks", "2", "--max-tokens", "8"])
+    env = {**os.environ, "TERM": "xterm-256color"}
+    subprocess.run(["tmux", "-L", tmux.socket, "-f", "/dev/null", "new-session", "-d", "-s", "main",
+                    "-x", "140", "-y", "44", f"{command}; echo EXIT=$?; sleep 60"], check=True, env=env)
+    try:
+        pane_pid = int(tmux("list-panes", "-t", "main", "-F", "#{pane_pid}").split()[0])
+        tmux.wait_for(lambda s: "2 ranks" in s and len(kv_tokens(s)) == 2, 90, "the ranks to be ready")
+        ranks = rank_processes(pane_pid)
+        assert len(ranks) == 2
+        tmux("send-keys", "-t", "main", "-l", "Hello there")
+        tmux("send-keys", "-t", "main", "Enter")
+        screen = tmux.wait_for(lambda s: "Assistant" in s and all(n > 0 for n in kv_tokens(s))
+                               and "TTFT" in s and re.search(r"TTFT\s+[\d,.]+ ms", s), 90, "an answer")
+        assert "You" in screen and "Hello there" in screen
+        assert len(re.findall(r"127\.0\.0\.1:\d+\s+(?:ready|busy|idle)", screen)) == 2
+        tmux("send-keys", "-t", "main", "C-q")
+        tmux.wait_for(lambda s: "EXIT=" in s, 30, "cpchat to quit")
+        assert "EXIT=0" in tmux.screen()
+        gone, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive, f"rank processes left behind: {[p.pid for p in alive]}"
+    finally:
+        subprocess.run(["tmux", "-L", tmux.socket, "kill-server"], capture_output=True)
