@@ -219,3 +219,20 @@ def cluster_tokens(cluster, ids):
 
     request = pb.GenerateRequest(tokens=ids, max_tokens=3)
     return [e.token for e in cluster.generate(request) if e.WhichOneof("event") == "token"]
+
+
+def test_rank_that_fails_to_start_exits_3(model_dir, tmp_path):
+    """A rank that cannot even import (here: psutil, broken for rank processes only) is named."""
+    (tmp_path / "psutil.py").write_text(
+        "import os, sys\n"
+        "if sys.argv[1:2] == ['rank']:\n"
+        "    raise ImportError('psutil is broken on purpose')\n"
+        "sys.path = [p for p in sys.path if os.path.abspath(p or '.') != os.path.dirname(__file__)]\n"
+        "del sys.modules['psutil']\n"
+        "import psutil\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    p = subprocess.run(CPCHAT + ["--headless", "--model", str(model_dir("llama")), "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    one_line_error(subprocess.CompletedProcess(p.args, p.returncode, p.stdout, p.stderr), 3,
+                   "local rank 0 failed to start: ImportError: psutil is broken on purpose")
