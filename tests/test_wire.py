@@ -9,8 +9,12 @@ from cpchat.rank.wire import BlockAssembler, BlockKey, FrameError, block_frames
 KEY = BlockKey("req", 3, 1, pb.KV)
 
 
+def frames_of(tensors, source_rank=2):
+    return [pb.Frame.FromString(raw) for raw in block_frames("ring", KEY, source_rank, tensors)]
+
+
 def roundtrip(tensors):
-    frames = list(block_frames("ring", KEY, 2, tensors))
+    frames = frames_of(tensors)
     assembler = BlockAssembler(frames[0])
     results = [assembler.add(f) for f in frames]
     assert all(r is None for r in results[:-1])
@@ -38,7 +42,7 @@ def test_large_blocks_split_into_bounded_frames(monkeypatch):
 
 
 def frame(**overrides):
-    f = next(block_frames("ring", KEY, 0, [mx.zeros((2, 2), mx.float32)]))
+    f = frames_of([mx.zeros((2, 2), mx.float32)], source_rank=0)[0]
     for name, value in overrides.items():
         if name == "shape":
             del f.shape[:]

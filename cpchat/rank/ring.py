@@ -16,7 +16,6 @@ import grpc
 import mlx.core as mx
 
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 from cpchat.rank.wire import BlockAssembler, BlockKey, FrameError, block_frames
 
 _CLOSE = object()
@@ -44,7 +43,9 @@ class RingLink:
         self.ring_id, self.rank, self.peer = ring_id, rank, peer
         self.error: str | None = None
         self._queue: queue.Queue = queue.Queue()
-        self._stub = pb_grpc.RingStub(channel)
+        self._channel = channel
+        # Frames arrive already serialized (wire.block_frames), so no request serializer.
+        self._link = channel.stream_unary("/cpchat.Ring/Link", response_deserializer=pb.LinkClosed.FromString)
         self._metadata = metadata
         self._thread = threading.Thread(target=self._run, name="ring-link", daemon=True)
         self._thread.start()
@@ -72,9 +73,11 @@ class RingLink:
 
     def _run(self) -> None:
         try:
-            self._stub.Link(self._frames(), metadata=self._metadata)
+            self._link(self._frames(), metadata=self._metadata)
         except grpc.RpcError as e:
             self.error = self.error or f"link to next rank {self.peer} failed: {e.details() or e.code().name}"
+        finally:
+            self._channel.close()  # a closed or re-formed ring leaves no channel behind
 
 
 class Mailbox:

@@ -7,6 +7,7 @@ header against the bytes it carries.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -53,15 +54,29 @@ def tensor_bytes(a: mx.array) -> memoryview:
     return memoryview(host.reshape(-1).view(np.uint8))
 
 
-def block_frames(
-    ring_id: str, key: BlockKey, source_rank: int, tensors: list[mx.array]
-) -> Iterator[pb.Frame]:
-    """Frames for one block; the arrays must already be evaluated."""
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_DATA_TAG = bytes([(pb.Frame.DATA_FIELD_NUMBER << 3) | 2])  # field 13, length-delimited
+
+
+def block_frames(ring_id: str, key: BlockKey, source_rank: int, tensors: list[mx.array]) -> Iterator[bytes]:
+    """Serialized `Frame` messages for one block; the arrays must already be evaluated.
+
+    The header is serialized by protobuf and the data field appended by hand, so
+    each chunk's bytes are copied once, straight from the MLX buffer.
+    """
     for index, a in enumerate(tensors):
         raw = tensor_bytes(a)
         count = max(1, -(-len(raw) // CHUNK_BYTES))
         for chunk in range(count):
-            yield pb.Frame(
+            header = pb.Frame(
                 ring_id=ring_id,
                 request_id=key.request_id,
                 layer=key.layer,
@@ -74,8 +89,9 @@ def block_frames(
                 chunk_count=count,
                 dtype=_NAMES[a.dtype],
                 shape=list(a.shape),
-                data=bytes(raw[chunk * CHUNK_BYTES : (chunk + 1) * CHUNK_BYTES]),
-            )
+            ).SerializeToString()
+            data = raw[chunk * CHUNK_BYTES : (chunk + 1) * CHUNK_BYTES]
+            yield b"".join((header, _DATA_TAG, _varint(len(data)), data))
 
 
 def block_nbytes(tensors: list[mx.array]) -> int:
@@ -83,17 +99,21 @@ def block_nbytes(tensors: list[mx.array]) -> int:
 
 
 class BlockAssembler:
-    """Collects the frames of one block; `add` returns the tensors once complete."""
+    """Collects the frames of one block; `add` returns the tensors once complete.
+
+    Each tensor's bytes land in one preallocated buffer as its chunks arrive,
+    so a block costs one copy here and one into MLX.
+    """
 
     def __init__(self, first: pb.Frame) -> None:
         if not 1 <= first.tensor_count <= MAX_TENSORS:
             raise FrameError(f"tensor_count {first.tensor_count} outside 1..{MAX_TENSORS}")
         self.source_rank = first.source_rank
         self.count = first.tensor_count
-        self.chunks: list[list[bytes | None]] = [[] for _ in range(self.count)]
         self.headers: list[tuple[str, tuple[int, ...]] | None] = [None] * self.count
-        self.received = 0
-        self.expected: list[int] = [0] * self.count
+        self.buffers: list[np.ndarray | None] = [None] * self.count
+        self.seen: list[set[int]] = [set() for _ in range(self.count)]
+        self.missing = 0  # chunks still expected for the tensors whose first frame arrived
 
     def add(self, f: pb.Frame) -> list[mx.array] | None:
         if f.tensor_count != self.count or f.source_rank != self.source_rank:
@@ -103,7 +123,7 @@ class BlockAssembler:
         if f.dtype not in DTYPES:
             raise FrameError(f"dtype {f.dtype!r} is not one of {', '.join(DTYPES)}")
         shape = tuple(f.shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[f.dtype][0].itemsize
+        nbytes = math.prod(shape) * DTYPES[f.dtype][0].itemsize
         if nbytes > MAX_BLOCK_BYTES:
             raise FrameError(f"tensor of {nbytes} bytes exceeds the {MAX_BLOCK_BYTES} byte limit")
         expected_chunks = max(1, -(-nbytes // CHUNK_BYTES))
@@ -112,25 +132,27 @@ class BlockAssembler:
         i = f.tensor_index
         if self.headers[i] is None:
             self.headers[i] = (f.dtype, shape)
-            self.chunks[i] = [None] * f.chunk_count
-            self.expected[i] = f.chunk_count
+            self.buffers[i] = np.empty(nbytes, dtype=np.uint8)
+            self.missing += f.chunk_count
         elif self.headers[i] != (f.dtype, shape):
             raise FrameError(f"frames of tensor {i} disagree on dtype or shape")
-        want = min(CHUNK_BYTES, nbytes - f.chunk_index * CHUNK_BYTES)
-        if len(f.data) != want:
-            raise FrameError(f"chunk {f.chunk_index} of tensor {i} has {len(f.data)} bytes, expected {want}")
-        if self.chunks[i][f.chunk_index] is not None:
+        data = f.data  # each access of a bytes field copies: read it once
+        offset = f.chunk_index * CHUNK_BYTES
+        want = min(CHUNK_BYTES, nbytes - offset)
+        if len(data) != want:
+            raise FrameError(f"chunk {f.chunk_index} of tensor {i} has {len(data)} bytes, expected {want}")
+        if f.chunk_index in self.seen[i]:
             raise FrameError(f"chunk {f.chunk_index} of tensor {i} arrived twice")
-        self.chunks[i][f.chunk_index] = f.data
-        self.received += 1
-        if self.received < sum(self.expected) or any(h is None for h in self.headers):
+        self.seen[i].add(f.chunk_index)
+        self.buffers[i][offset : offset + want] = np.frombuffer(data, dtype=np.uint8)
+        self.missing -= 1
+        if self.missing or any(h is None for h in self.headers):
             return None
         return [self._tensor(i) for i in range(self.count)]
 
     def _tensor(self, i: int) -> mx.array:
         dtype, shape = self.headers[i]
         storage, mlx_dtype = DTYPES[dtype]
-        data = self.chunks[i][0] if len(self.chunks[i]) == 1 else b"".join(self.chunks[i])
-        host = np.frombuffer(data, dtype=storage).reshape(shape)
-        a = mx.array(host)
+        a = mx.array(self.buffers[i].view(storage).reshape(shape))
+        self.buffers[i] = None
         return a.view(mlx_dtype) if dtype == "bfloat16" else a
