@@ -27,8 +27,9 @@ class KVShard:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of K and V held, from shapes alone (safe to call from the stats thread)."""
         n = len(self)
-        return sum(2 * k[..., :n, :].nbytes for k in self.keys if k is not None)
+        return sum(2 * n * k.shape[1] * k.shape[3] * k.dtype.size for k in self.keys if k is not None)
 
     def begin_append(self, positions: np.ndarray) -> None:
         """Positions of the tokens the next forward will append (same for every layer)."""

@@ -1,0 +1,49 @@
+import mlx.core as mx
+import numpy as np
+
+from cpchat.rank.kvstore import GROW, KVShard
+
+
+def kv(n, start=0):
+    k = mx.arange(start, start + n, dtype=mx.float32).reshape(1, 1, n, 1) * mx.ones((1, 2, 1, 4))
+    return k, -k
+
+
+def test_append_grows_past_the_step_and_keeps_order():
+    shard = KVShard(num_layers=2)
+    total = 0
+    for n in (3, GROW, 1, 1):
+        shard.begin_append(np.arange(total, total + n) * 10)
+        for layer in range(2):
+            shard.append(layer, *kv(n, total))
+        shard.commit()
+        total += n
+    k, v, pos = shard.layer(1)
+    assert len(shard) == total and k.shape == (1, 2, total, 4)
+    assert k[0, 0, :, 0].tolist() == list(range(total)) and mx.array_equal(v, -k).item()
+    assert pos.tolist() == [10 * i for i in range(total)]
+    assert shard.nbytes == 2 * 2 * total * 2 * 4 * 4  # K and V, 2 layers, 2 heads, dim 4, float32
+
+
+def test_pending_append_is_visible_before_commit_and_truncate_drops_it():
+    shard = KVShard(num_layers=1)
+    shard.begin_append(np.array([0, 1]))
+    shard.append(0, *kv(2))
+    shard.commit()
+    shard.begin_append(np.array([7]))
+    shard.append(0, *kv(1, 7))
+    assert shard.layer(0)[2].tolist() == [0, 1, 7]
+    shard.truncate(5)  # an aborted forward: its appended token disappears
+    assert len(shard) == 2 and shard.layer(0)[2].tolist() == [0, 1]
+
+
+def test_truncate_keeps_positions_below_in_any_order():
+    shard = KVShard(num_layers=1)
+    positions = np.array([0, 1, 6, 7, 2, 9])
+    shard.begin_append(positions)
+    shard.append(0, *kv(6))
+    shard.commit()
+    shard.truncate(7)
+    k, _, pos = shard.layer(0)
+    assert pos.tolist() == [0, 1, 6, 2]
+    assert k[0, 0, :, 0].tolist() == [0, 1, 2, 4]
