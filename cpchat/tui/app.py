@@ -227,6 +227,8 @@ class CpchatApp(App[int]):
             self.post_message(Notice(f"rank stats stopped: {e}", "warning"))
 
     def on_stats_arrived(self, message: StatsArrived) -> None:
+        if not self.is_running or not self.screen.is_mounted:
+            return  # the stats thread outlived the screen (quitting)
         stats = message.stats
         panel = self.query_one(RanksPanel)
         panel.update_stats(stats)

@@ -105,7 +105,10 @@ class RingPanel(VerticalGroup):
         self._refresh_text()
 
     def show_pass(self, pass_name: str, steps: list[RingStep]) -> None:
-        chart = self.query_one(RingChart)
+        charts = self.query(RingChart)
+        if not charts:  # not composed yet, or being torn down: stats may arrive at any time
+            return
+        chart = charts.first()
         chart.pass_name = pass_name
         chart.steps = steps
 
