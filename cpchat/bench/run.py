@@ -68,11 +68,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", default="1,4,16,64", help="block sizes in MiB for the ring benchmark ('' skips)")
     p.add_argument("--no-baseline", action="store_true", help="skip mlx-lm (e.g. for contexts it cannot hold)")
     p.add_argument("--out", default=str(REPO_ASSETS / "bench"), help="where results.md/.json/.png go")
+    p.add_argument("--attention", metavar="LENGTHS",
+                   help="only time partial_attention against the fused kernel at these lengths (e.g. 4096,16384)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.attention:
+        return attention_only([int(n) for n in args.attention.split(",")])
     if args.quick:
         args.hidden, args.layers, args.contexts, args.ranks = 256, 4, "512,1024", "1,2"
         args.repeats, args.decode, args.transport = 1, 8, "1,16"
@@ -94,6 +98,19 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     write_report(out, rows, transport, args, model, time.time() - started)
     print(f"wrote {out / 'results.md'}", file=sys.stderr)
+    return 0
+
+
+def attention_only(lengths: list[int]) -> int:
+    """Run the attention micro-benchmark in a child with the ranks' BLAS environment."""
+    code = ("import json,sys; from cpchat.bench.attention import time_attention; "
+            "[print(json.dumps(time_attention(int(n))), flush=True) for n in sys.argv[1:]]")
+    done = subprocess.run([sys.executable, "-c", code, *map(str, lengths)], env=rank_environment(),
+                          capture_output=True, text=True, check=True)
+    print("| causal length | fused s | partial_attention s | ratio | max abs error |\n|---:|---:|---:|---:|---:|")
+    for line in done.stdout.splitlines():
+        r = json.loads(line)
+        print(f"| {r['length']} | {r['fused_s']:.2f} | {r['tiled_s']:.2f} | {r['ratio']:.2f} | {r['max_abs_error']:.1e} |")
     return 0
 
 
