@@ -59,14 +59,19 @@ def train_tokenizer(
     tok.train_from_iterator(list(corpus) if corpus is not None else _CORPUS.splitlines(), trainer)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHAT_TEMPLATE,
-        "eos_token": EOS_TOKEN,
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "model_max_length": 1 << 20,
-    }, indent=2))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": CHAT_TEMPLATE,
+                "eos_token": EOS_TOKEN,
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "model_max_length": 1 << 20,
+            },
+            indent=2,
+        )
+    )
     return tok.get_vocab_size()
 
 

@@ -21,9 +21,12 @@ def reference_model(path: Path):
 def reference_generate(path: Path, ids: list[int], max_tokens: int) -> list[tuple[int, float]]:
     """mlx-lm's own single-process greedy tokens and their logprobs."""
     model, tokenizer = reference_model(path)
-    return [(r.token, float(r.logprobs[r.token]))
-            for r in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=max_tokens,
-                                            sampler=make_sampler(0.0))]
+    return [
+        (r.token, float(r.logprobs[r.token]))
+        for r in mlx_lm.stream_generate(
+            model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(0.0)
+        )
+    ]
 
 
 def random_prompt(path: Path, length: int, seed: int) -> list[int]:
@@ -36,8 +39,13 @@ def random_prompt(path: Path, length: int, seed: int) -> list[int]:
 
 def run_raw(cluster, path: Path, ids: list[int], algorithm: str, max_tokens: int):
     """Generate through real ranks from token ids; returns (tokens, events)."""
-    session = Session(cluster, load_tokenizer(str(path)), raw=True, algorithm=algorithm,
-                      sampling=SamplingOptions(max_tokens=max_tokens, temperature=0.0))
+    session = Session(
+        cluster,
+        load_tokenizer(str(path)),
+        raw=True,
+        algorithm=algorithm,
+        sampling=SamplingOptions(max_tokens=max_tokens, temperature=0.0),
+    )
     events = list(session._generate(ids))
     tokens = [(e.id, e.logprob) for e in events if isinstance(e, Token)]
     return tokens, events, session

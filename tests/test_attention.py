@@ -22,8 +22,13 @@ def problems(draw):
     lq = draw(st.sampled_from([1, lk, max(1, lk // 3)]))
     d = draw(st.sampled_from([8, 16]))
     n_blocks = draw(st.integers(1, min(8, lk)))
-    cuts = sorted(draw(st.lists(st.integers(1, lk - 1), min_size=n_blocks - 1, max_size=n_blocks - 1,
-                                unique=True))) if lk > 1 else []
+    cuts = (
+        sorted(
+            draw(st.lists(st.integers(1, lk - 1), min_size=n_blocks - 1, max_size=n_blocks - 1, unique=True))
+        )
+        if lk > 1
+        else []
+    )
     magnitude = draw(st.sampled_from([1.0, 30.0, 1e4]))
     seed = draw(st.integers(0, 2**16))
     tile = draw(st.sampled_from([4, 16, 1024]))
@@ -100,11 +105,13 @@ def test_long_sequence_is_tiled_and_exact():
 
 @pytest.mark.parametrize(
     "q_shape, k_shape, q_pos, k_pos, message",
-    [((1, 3, 2, 4), (1, 2, 2, 4), [0, 1], [0, 1], "multiple"),
-     ((1, 2, 2, 4), (1, 2, 2, 8), [0, 1], [0, 1], "head dim"),
-     ((1, 2, 2, 4), (1, 2, 2, 4), [0], [0, 1], "q_pos"),
-     ((1, 2, 2, 4), (1, 2, 2, 4), [0, 1], [0, 1, 2], "k_pos"),
-     ((2, 2, 4), (1, 2, 2, 4), [0, 1], [0, 1], "4-D")],
+    [
+        ((1, 3, 2, 4), (1, 2, 2, 4), [0, 1], [0, 1], "multiple"),
+        ((1, 2, 2, 4), (1, 2, 2, 8), [0, 1], [0, 1], "head dim"),
+        ((1, 2, 2, 4), (1, 2, 2, 4), [0], [0, 1], "q_pos"),
+        ((1, 2, 2, 4), (1, 2, 2, 4), [0, 1], [0, 1, 2], "k_pos"),
+        ((2, 2, 4), (1, 2, 2, 4), [0, 1], [0, 1], "4-D"),
+    ],
 )
 def test_bad_shapes_raise_value_error(q_shape, k_shape, q_pos, k_pos, message):
     with pytest.raises(ValueError, match=message):

@@ -8,9 +8,29 @@ import sys
 def test_bench_writes_results(tmp_path, model_dir):
     out = tmp_path / "bench"
     result = subprocess.run(
-        [sys.executable, "-m", "cpchat", "bench", "--model", str(model_dir("llama")), "--contexts", "64,128",
-         "--ranks", "1,2", "--repeats", "1", "--decode", "4", "--transport", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "cpchat",
+            "bench",
+            "--model",
+            str(model_dir("llama")),
+            "--contexts",
+            "64,128",
+            "--ranks",
+            "1,2",
+            "--repeats",
+            "1",
+            "--decode",
+            "4",
+            "--transport",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     data = json.loads((out / "results.json").read_text())

@@ -2,7 +2,6 @@
 single-process greedy generation: same tokens, logprobs within 1e-3."""
 
 import pytest
-
 from helpers import done_event, prefill_event, random_prompt, reference_generate, run_raw
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -73,8 +72,13 @@ def test_follow_up_turns_prefill_only_new_tokens(clusters, model_dir, algorithm)
     cluster = clusters.get(3, path)
     from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 
-    session = Session(cluster, load_tokenizer(str(path)), raw=True, algorithm=algorithm,
-                      sampling=SamplingOptions(max_tokens=6, temperature=0.0))
+    session = Session(
+        cluster,
+        load_tokenizer(str(path)),
+        raw=True,
+        algorithm=algorithm,
+        sampling=SamplingOptions(max_tokens=6, temperature=0.0),
+    )
     history: list[int] = []
     for turn, length in enumerate((200, 37, 5)):
         new = random_prompt(path, length, seed=100 + turn)

@@ -13,7 +13,6 @@ import time
 import grpc
 import psutil
 import pytest
-
 from helpers import reference_generate, reference_model
 
 CPCHAT = [sys.executable, "-m", "cpchat"]
@@ -30,7 +29,7 @@ def rank_processes(parent_pid: int) -> list[psutil.Process]:
 
 def wait_gone(parent_pid: int, timeout: float = 10.0) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout
-    while (left := [p for p in rank_processes(parent_pid) if p.is_running() and p.status() != "zombie"]):
+    while left := [p for p in rank_processes(parent_pid) if p.is_running() and p.status() != "zombie"]:
         if time.monotonic() > deadline:
             return left
         time.sleep(0.1)
@@ -38,8 +37,9 @@ def wait_gone(parent_pid: int, timeout: float = 10.0) -> list[psutil.Process]:
 
 
 def run(args: list[str], stdin: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    p = subprocess.Popen(CPCHAT + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen(
+        CPCHAT + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     out, err = p.communicate(stdin, timeout=timeout)
     assert wait_gone(p.pid) == [], "rank processes outlived the front end"
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
@@ -60,8 +60,23 @@ def events(stdout: str) -> list[dict]:
 def test_json_events_match_mlx_lm(model_dir):
     path = model_dir("llama")
     prompt = "The quick brown fox jumps over the lazy dog."
-    result = run(["--headless", "--json", "--raw", "--temp", "0", "--max-tokens", "6", "--model", str(path),
-                  "--ranks", "2", "--prompt", prompt])
+    result = run(
+        [
+            "--headless",
+            "--json",
+            "--raw",
+            "--temp",
+            "0",
+            "--max-tokens",
+            "6",
+            "--model",
+            str(path),
+            "--ranks",
+            "2",
+            "--prompt",
+            prompt,
+        ]
+    )
     assert result.returncode == 0, result.stderr
     evs = events(result.stdout)
     assert [e["event"] for e in evs] == ["ready", "prefill"] + ["token"] * (len(evs) - 3) + ["done"]
@@ -86,8 +101,24 @@ def test_plain_output_and_stdin_turns_share_one_conversation(model_dir):
     """Three raw stdin turns equal one single-process run over the whole history."""
     path = model_dir("qwen2")
     turns = ["first turn text", "second one", "and the third"]
-    result = run(["--headless", "--json", "--raw", "--temp", "0", "--max-tokens", "4", "--model", str(path),
-                  "--ranks", "3", "--algorithm", "pass_q"], stdin="\n".join(turns) + "\n")
+    result = run(
+        [
+            "--headless",
+            "--json",
+            "--raw",
+            "--temp",
+            "0",
+            "--max-tokens",
+            "4",
+            "--model",
+            str(path),
+            "--ranks",
+            "3",
+            "--algorithm",
+            "pass_q",
+        ],
+        stdin="\n".join(turns) + "\n",
+    )
     assert result.returncode == 0, result.stderr
     evs = events(result.stdout)
     _, tokenizer = reference_model(path)
@@ -100,8 +131,22 @@ def test_plain_output_and_stdin_turns_share_one_conversation(model_dir):
         assert prefill["cached_tokens"] == (0 if turn == 0 else len(history) - prefill["new_tokens"])
         history += got
 
-    plain = run(["--headless", "--raw", "--temp", "0", "--max-tokens", "4", "--model", str(path), "--ranks", "1",
-                 "--prompt", turns[0]])
+    plain = run(
+        [
+            "--headless",
+            "--raw",
+            "--temp",
+            "0",
+            "--max-tokens",
+            "4",
+            "--model",
+            str(path),
+            "--ranks",
+            "1",
+            "--prompt",
+            turns[0],
+        ]
+    )
     first = [e for e in evs if e["event"] == "token" and e["turn"] == 0]
     assert plain.returncode == 0
     assert plain.stdout == "".join(e["text"] for e in first) + "\n"
@@ -112,8 +157,10 @@ def test_documents_reach_the_prompt(model_dir, tmp_path):
     doc = tmp_path / "notes.txt"
     doc.write_text("The access code for the Orion vault is 4812-KX.\n" * 20)
     line = json.dumps({"content": "What is the code?", "docs": [str(doc)]})
-    result = run(["--headless", "--json", "--max-tokens", "2", "--model", str(path), "--ranks", "2"],
-                 stdin=line + "\nthanks\n")
+    result = run(
+        ["--headless", "--json", "--max-tokens", "2", "--model", str(path), "--ranks", "2"],
+        stdin=line + "\nthanks\n",
+    )
     assert result.returncode == 0, result.stderr
     prefills = [e for e in events(result.stdout) if e["event"] == "prefill"]
     _, tokenizer = reference_model(path)
@@ -123,12 +170,17 @@ def test_documents_reach_the_prompt(model_dir, tmp_path):
 
 @pytest.mark.parametrize(
     "args, words",
-    [(["--model", "/nonexistent/model", "--prompt", "hi"], "does not exist"),
-     (["--prompt-file", "/nonexistent/q.txt"], "prompt file /nonexistent/q.txt does not exist"),
-     (["--prompt", "hi", "--doc", "/nonexistent/book.txt"], "document /nonexistent/book.txt does not exist"),
-     (["--prompt", "   "], "empty"),
-     (["--prompt", "hi", "--attach", "nocolon"], "bad rank address"),
-     (["--prompt", "hi", "--ranks", "0"], "ranks")],
+    [
+        (["--model", "/nonexistent/model", "--prompt", "hi"], "does not exist"),
+        (["--prompt-file", "/nonexistent/q.txt"], "prompt file /nonexistent/q.txt does not exist"),
+        (
+            ["--prompt", "hi", "--doc", "/nonexistent/book.txt"],
+            "document /nonexistent/book.txt does not exist",
+        ),
+        (["--prompt", "   "], "empty"),
+        (["--prompt", "hi", "--attach", "nocolon"], "bad rank address"),
+        (["--prompt", "hi", "--ranks", "0"], "ranks"),
+    ],
 )
 def test_bad_input_exits_2_with_one_line(model_dir, args, words):
     if "--model" not in args:
@@ -140,8 +192,10 @@ def test_unreachable_rank_exits_3(model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    result = run(["--headless", "--model", str(model_dir("llama")), "--prompt", "hi",
-                  "--attach", f"127.0.0.1:{port}"], timeout=60)
+    result = run(
+        ["--headless", "--model", str(model_dir("llama")), "--prompt", "hi", "--attach", f"127.0.0.1:{port}"],
+        timeout=60,
+    )
     one_line_error(result, 3, f"rank 0 (127.0.0.1:{port}) is unreachable")
 
 
@@ -159,23 +213,30 @@ def test_unsupported_architecture_is_refused(tmp_path, model_dir):
 
 
 def test_rank_refuses_public_bind_without_token_and_taken_port():
-    result = subprocess.run(CPCHAT + ["rank", "--host", "0.0.0.0", "--port", "0"], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        CPCHAT + ["rank", "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2 and "--token-file" in result.stderr and "Traceback" not in result.stderr
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        result = subprocess.run(CPCHAT + ["rank", "--port", str(port)], capture_output=True, text=True,
-                                timeout=60)
+        result = subprocess.run(
+            CPCHAT + ["rank", "--port", str(port)], capture_output=True, text=True, timeout=60
+        )
     assert result.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_ranks_never_outlive_the_front_end(model_dir, sig):
-    p = subprocess.Popen(CPCHAT + ["--headless", "--json", "--model", str(model_dir("llama")), "--ranks", "2"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        CPCHAT + ["--headless", "--json", "--model", str(model_dir("llama")), "--ranks", "2"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         ready = json.loads(p.stdout.readline())  # the front end now waits for a turn on stdin
         assert ready["event"] == "ready"
@@ -232,7 +293,15 @@ def test_rank_that_fails_to_start_exits_3(model_dir, tmp_path):
         "import psutil\n"
     )
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    p = subprocess.run(CPCHAT + ["--headless", "--model", str(model_dir("llama")), "--prompt", "hi"],
-                       capture_output=True, text=True, timeout=120, env=env)
-    one_line_error(subprocess.CompletedProcess(p.args, p.returncode, p.stdout, p.stderr), 3,
-                   "local rank 0 failed to start: ImportError: psutil is broken on purpose")
+    p = subprocess.run(
+        CPCHAT + ["--headless", "--model", str(model_dir("llama")), "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    one_line_error(
+        subprocess.CompletedProcess(p.args, p.returncode, p.stdout, p.stderr),
+        3,
+        "local rank 0 failed to start: ImportError: psutil is broken on purpose",
+    )

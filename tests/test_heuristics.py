@@ -12,10 +12,12 @@ def test_papers_example_miss_rate_threshold():
 
 @pytest.mark.parametrize(
     "new, cached, expected",
-    [(125, 875, "pass_kv"),  # miss rate exactly 0.125
-     (126, 874, "pass_kv"),
-     (124, 876, "pass_q"),
-     (1000, 0, "pass_kv")],
+    [
+        (125, 875, "pass_kv"),  # miss rate exactly 0.125
+        (126, 874, "pass_kv"),
+        (124, 876, "pass_q"),
+        (1000, 0, "pass_kv"),
+    ],
 )
 def test_miss_rate_rule_at_and_around_threshold(new, cached, expected):
     assert select_algorithm(new, cached, 8, 128, 4, **SLOW_RING) == expected
@@ -36,11 +38,25 @@ def test_decode_is_pass_q():
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [(dict(new_tokens=0), "new_tokens"), (dict(num_q_heads=12, num_kv_heads=8), "multiple"),
-     (dict(num_ranks=0), "num_ranks"), (dict(flops_per_s=0), "positive")],
+    [
+        (dict(new_tokens=0), "new_tokens"),
+        (dict(num_q_heads=12, num_kv_heads=8), "multiple"),
+        (dict(num_ranks=0), "num_ranks"),
+        (dict(flops_per_s=0), "positive"),
+    ],
 )
 def test_bad_arguments(kwargs, message):
-    args = dict(new_tokens=10, cached_tokens=0, num_kv_heads=2, num_q_heads=8, num_ranks=2,
-                flops_per_s=1e9, bandwidth_bytes_per_s=1e9) | kwargs
+    args = (
+        dict(
+            new_tokens=10,
+            cached_tokens=0,
+            num_kv_heads=2,
+            num_q_heads=8,
+            num_ranks=2,
+            flops_per_s=1e9,
+            bandwidth_bytes_per_s=1e9,
+        )
+        | kwargs
+    )
     with pytest.raises(ValueError, match=message):
         select_algorithm(**args)

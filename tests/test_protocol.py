@@ -12,4 +12,6 @@ def test_generated_modules_are_fresh(tmp_path):
     here = Path(protocol.__file__).parent
     for name in GENERATED:
         fresh = (tmp_path / "cpchat" / "protocol" / name).read_text()
-        assert fresh == (here / name).read_text(), f"{name} is stale: regenerate with cpchat.protocol.generate"
+        assert fresh == (here / name).read_text(), (
+            f"{name} is stale: regenerate with cpchat.protocol.generate"
+        )

@@ -15,8 +15,10 @@ def test_small_models_load_and_generate(model_dir, arch):
     model, tokenizer = mlx_lm.load(str(path))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
     assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
-    tokens = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=12,
-                                                       sampler=make_sampler(0.0))]
+    tokens = [
+        r.token
+        for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=12, sampler=make_sampler(0.0))
+    ]
     assert len(tokens) >= 1
     assert len(set(tokens)) > 1 or len(tokens) < 12  # peaked but not degenerate
 

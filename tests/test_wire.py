@@ -54,13 +54,15 @@ def frame(**overrides):
 
 @pytest.mark.parametrize(
     "overrides, message",
-    [(dict(dtype="complex64"), "dtype"),
-     (dict(shape=[3, 2]), "bytes"),
-     (dict(data=b"\0" * 15), "bytes"),
-     (dict(chunk_count=2), "chunk"),
-     (dict(tensor_count=0), "tensor_count"),
-     (dict(tensor_count=99), "tensor_count"),
-     (dict(shape=[1 << 20, 1 << 20]), "limit")],
+    [
+        (dict(dtype="complex64"), "dtype"),
+        (dict(shape=[3, 2]), "bytes"),
+        (dict(data=b"\0" * 15), "bytes"),
+        (dict(chunk_count=2), "chunk"),
+        (dict(tensor_count=0), "tensor_count"),
+        (dict(tensor_count=99), "tensor_count"),
+        (dict(shape=[1 << 20, 1 << 20]), "limit"),
+    ],
 )
 def test_malformed_frames_are_refused(overrides, message):
     with pytest.raises(FrameError, match=message):

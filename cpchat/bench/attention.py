@@ -30,5 +30,10 @@ def time_attention(length: int, heads: int = 8, kv_heads: int = 8, dim: int = 64
 
     fused_s, fused = best(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal"))
     tiled_s, (tiled, _) = best(lambda: partial_attention(q, k, v, pos, pos, scale))
-    return {"length": length, "fused_s": fused_s, "tiled_s": tiled_s, "ratio": tiled_s / fused_s,
-            "max_abs_error": mx.abs(tiled - fused).max().item()}
+    return {
+        "length": length,
+        "fused_s": fused_s,
+        "tiled_s": tiled_s,
+        "ratio": tiled_s / fused_s,
+        "max_abs_error": mx.abs(tiled - fused).max().item(),
+    }

@@ -31,15 +31,22 @@ def main() -> None:
         mx.reset_peak_memory()
         t0 = time.perf_counter()
         t_first = last = None
-        for r in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=args.decode, sampler=make_sampler(0.0)):
+        for r in mlx_lm.stream_generate(
+            model, tokenizer, ids, max_tokens=args.decode, sampler=make_sampler(0.0)
+        ):
             last = r
             t_first = t_first or time.perf_counter()
-        print(json.dumps({
-            "ttft_ms": 1000 * (t_first - t0),
-            "prefill_tokens_per_s": last.prompt_tps,
-            "decode_tokens_per_s": last.generation_tps,
-            "peak_bytes": mx.get_peak_memory(),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "ttft_ms": 1000 * (t_first - t0),
+                    "prefill_tokens_per_s": last.prompt_tps,
+                    "decode_tokens_per_s": last.generation_tps,
+                    "peak_bytes": mx.get_peak_memory(),
+                }
+            ),
+            flush=True,
+        )
 
 
 def prompt_ids(vocab: int, length: int, seed: int = 0) -> list[int]:

@@ -20,11 +20,11 @@ from pathlib import Path
 
 from cpchat.bench.baseline import prompt_ids
 from cpchat.client.cluster import Cluster, RankStats, _rank_stats
-from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.client.events import Done, Prefill
 from cpchat.client.launcher import rank_environment
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.client.settings import REPO_ASSETS, cache_dir
+from cpchat.protocol import cpchat_pb2 as pb
 
 MB = 1 << 20
 
@@ -65,11 +65,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithm", default="pass_kv", choices=["auto", "pass_kv", "pass_q"])
     p.add_argument("--pin", action="store_true", help="pin rank i to core i (and mlx-lm to core 0)")
     p.add_argument("--blas", default="openblas", choices=["openblas", "reference", "both"])
-    p.add_argument("--transport", default="1,4,16,64", help="block sizes in MiB for the ring benchmark ('' skips)")
-    p.add_argument("--no-baseline", action="store_true", help="skip mlx-lm (e.g. for contexts it cannot hold)")
+    p.add_argument(
+        "--transport", default="1,4,16,64", help="block sizes in MiB for the ring benchmark ('' skips)"
+    )
+    p.add_argument(
+        "--no-baseline", action="store_true", help="skip mlx-lm (e.g. for contexts it cannot hold)"
+    )
     p.add_argument("--out", default=str(REPO_ASSETS / "bench"), help="where results.md/.json/.png go")
-    p.add_argument("--attention", metavar="LENGTHS",
-                   help="only time partial_attention against the fused kernel at these lengths (e.g. 4096,16384)")
+    p.add_argument(
+        "--attention",
+        metavar="LENGTHS",
+        help="only time partial_attention against the fused kernel at these lengths (e.g. 4096,16384)",
+    )
     return p
 
 
@@ -103,28 +110,46 @@ def main(argv: list[str] | None = None) -> int:
 
 def attention_only(lengths: list[int]) -> int:
     """Run the attention micro-benchmark in a child with the ranks' BLAS environment."""
-    code = ("import json,sys; from cpchat.bench.attention import time_attention; "
-            "[print(json.dumps(time_attention(int(n))), flush=True) for n in sys.argv[1:]]")
-    done = subprocess.run([sys.executable, "-c", code, *map(str, lengths)], env=rank_environment(),
-                          capture_output=True, text=True, check=True)
-    print("| causal length | fused s | partial_attention s | ratio | max abs error |\n|---:|---:|---:|---:|---:|")
+    code = (
+        "import json,sys; from cpchat.bench.attention import time_attention; "
+        "[print(json.dumps(time_attention(int(n))), flush=True) for n in sys.argv[1:]]"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *map(str, lengths)],
+        env=rank_environment(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    print(
+        "| causal length | fused s | partial_attention s | ratio | max abs error |\n"
+        "|---:|---:|---:|---:|---:|"
+    )
     for line in done.stdout.splitlines():
         r = json.loads(line)
-        print(f"| {r['length']} | {r['fused_s']:.2f} | {r['tiled_s']:.2f} | {r['ratio']:.2f} | {r['max_abs_error']:.1e} |")
+        print(
+            f"| {r['length']} | {r['fused_s']:.2f} | {r['tiled_s']:.2f} | {r['ratio']:.2f} "
+            f"| {r['max_abs_error']:.1e} |"
+        )
     return 0
 
 
 def snapshot(cluster: Cluster) -> list[RankStats]:
     """Every rank's stats right now, in rank order."""
-    return [_rank_stats(r, next(iter(r.control.Stats(pb.StatsRequest(once=True), timeout=10,
-                                                       metadata=cluster.metadata))))
-            for r in cluster.ranks]
+    return [
+        _rank_stats(
+            r, next(iter(r.control.Stats(pb.StatsRequest(once=True), timeout=10, metadata=cluster.metadata)))
+        )
+        for r in cluster.ranks
+    ]
 
 
 def ring_bandwidth(cluster: Cluster, probe_bytes: int, rounds: int = 3) -> float:
     """Bytes/s of the slowest ring link for blocks of probe_bytes (all ranks probe at once)."""
     request = pb.CalibrateRequest(probe_bytes=probe_bytes, rounds=rounds)
-    calls = [r.control.Calibrate.future(request, timeout=300, metadata=cluster.metadata) for r in cluster.ranks]
+    calls = [
+        r.control.Calibrate.future(request, timeout=300, metadata=cluster.metadata) for r in cluster.ranks
+    ]
     return min(c.result().ring_bytes_per_s for c in calls)
 
 
@@ -134,20 +159,42 @@ def bench_model(hidden: int, layers: int) -> Path:
     path = cache_dir() / f"bench-llama-h{hidden}-l{layers}"
     if not (path / "model.safetensors").exists():
         heads = max(4, hidden // 64)
-        write_model(path, "llama", hidden_size=hidden, num_layers=layers, num_heads=heads,
-                    num_kv_heads=max(1, heads // 4), intermediate_size=hidden * 3)
+        write_model(
+            path,
+            "llama",
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=max(1, heads // 4),
+            intermediate_size=hidden * 3,
+        )
     return path
 
 
 def report_progress(row: Row) -> None:
-    print(f"  {row.system:>12} ctx={row.context:>6} blas={row.blas}: ttft {row.best('ttft_ms'):.0f} ms, "
-          f"prefill {row.best('prefill_tokens_per_s'):.0f} tok/s, decode {row.best('decode_tokens_per_s'):.1f} tok/s",
-          file=sys.stderr, flush=True)
+    print(
+        f"  {row.system:>12} ctx={row.context:>6} blas={row.blas}: ttft {row.best('ttft_ms'):.0f} ms, "
+        f"prefill {row.best('prefill_tokens_per_s'):.0f} tok/s, "
+        f"decode {row.best('decode_tokens_per_s'):.1f} tok/s",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def run_baseline(model: str, context: int, args, fast_blas: bool) -> Row:
-    cmd = [sys.executable, "-m", "cpchat.bench.baseline", "--model", model, "--context", str(context),
-           "--decode", str(args.decode), "--repeats", str(args.repeats)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cpchat.bench.baseline",
+        "--model",
+        model,
+        "--context",
+        str(context),
+        "--decode",
+        str(args.decode),
+        "--repeats",
+        str(args.repeats),
+    ]
     if args.pin:
         cmd = ["taskset", "-c", "0"] + cmd
     done = subprocess.run(cmd, capture_output=True, text=True, env=rank_environment(fast_blas), check=True)
@@ -174,8 +221,13 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, fast_blas: bool) -
             row = Row(f"cpchat N={n}", n, context, blas="openblas" if fast_blas else "reference")
             for _ in range(args.repeats):
                 cluster.reset(0)
-                session = Session(cluster, tokenizer, raw=True, algorithm=args.algorithm,
-                                  sampling=SamplingOptions(max_tokens=args.decode, temperature=0.0))
+                session = Session(
+                    cluster,
+                    tokenizer,
+                    raw=True,
+                    algorithm=args.algorithm,
+                    sampling=SamplingOptions(max_tokens=args.decode, temperature=0.0),
+                )
                 for event in session._generate(ids):
                     if isinstance(event, Prefill):
                         row.prefill_tokens_per_s.append(context / (event.ms / 1000))
@@ -199,8 +251,13 @@ def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> fl
     """Share of pass-KV transfer time hidden behind compute in a prefill: 1 - waited / transfer,
     where transfer is each received block's bytes over the measured ring bandwidth."""
     cluster.reset(0)
-    session = Session(cluster, load_tokenizer(cluster.model.name), raw=True, algorithm="pass_kv",
-                      sampling=SamplingOptions(max_tokens=1, temperature=0.0))
+    session = Session(
+        cluster,
+        load_tokenizer(cluster.model.name),
+        raw=True,
+        algorithm="pass_kv",
+        sampling=SamplingOptions(max_tokens=1, temperature=0.0),
+    )
     list(session._generate(ids))
     waited = transfer = 0.0
     for stats in snapshot(cluster):
@@ -225,18 +282,36 @@ def run_transport(sizes: list[int]) -> list[dict]:
         cluster.close()
     mx_rates = mx_distributed_rates(sizes)
     for size in sizes:
-        results.append({"block_mib": size // MB, "grpc_ring_gb_s": grpc_rates[size] / 1e9,
-                        "mx_distributed_gb_s": mx_rates.get(size, 0.0) / 1e9})
-        print(f"  ring {size // MB:>3} MiB: cpchat {grpc_rates[size] / 1e9:.2f} GB/s, "
-              f"mx.distributed {mx_rates.get(size, 0.0) / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+        results.append(
+            {
+                "block_mib": size // MB,
+                "grpc_ring_gb_s": grpc_rates[size] / 1e9,
+                "mx_distributed_gb_s": mx_rates.get(size, 0.0) / 1e9,
+            }
+        )
+        print(
+            f"  ring {size // MB:>3} MiB: cpchat {grpc_rates[size] / 1e9:.2f} GB/s, "
+            f"mx.distributed {mx_rates.get(size, 0.0) / 1e9:.2f} GB/s",
+            file=sys.stderr,
+            flush=True,
+        )
     return results
 
 
 def mx_distributed_rates(sizes: list[int]) -> dict[int, float]:
     launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
     script = str(Path(__file__).with_name("mxdist.py"))
-    cmd = [launcher, "-n", "2", "--backend", "ring", "--", sys.executable, script,
-           ",".join(str(s) for s in sizes)]
+    cmd = [
+        launcher,
+        "-n",
+        "2",
+        "--backend",
+        "ring",
+        "--",
+        sys.executable,
+        script,
+        ",".join(str(s) for s in sizes),
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=rank_environment())
         line = next(ln for ln in done.stdout.splitlines() if ln.startswith("{"))
@@ -251,10 +326,12 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
     command = "cpchat bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
     base = {(r.context, r.blas): r for r in rows if r.system == "mlx-lm"}
     lines = [
-        "# cpchat bench", "",
+        "# cpchat bench",
+        "",
         f"Command: `{command.strip()}`  ",
         f"Model: `{Path(model).name}`; {args.repeats} repeat(s), best of them (median in the JSON); "
-        f"{args.decode} decoded tokens; {os.cpu_count()} cores; took {seconds:.0f} s.", "",
+        f"{args.decode} decoded tokens; {os.cpu_count()} cores; took {seconds:.0f} s.",
+        "",
         "| system | BLAS | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s | vs mlx-lm "
         "| KV MiB/rank | peak MiB/rank | hidden comm |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -265,16 +342,21 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         dec_ratio = f"{r.best('decode_tokens_per_s') / b.best('decode_tokens_per_s'):.2f}×" if b else ""
         hidden = f"{100 * r.hidden_share:.0f}%" if r.hidden_share is not None else ""
         lines.append(
-            f"| {r.system} | {r.blas} | {r.context} | {r.best('ttft_ms'):.0f} | {r.best('prefill_tokens_per_s'):.0f} "
-            f"| {pre_ratio} | {r.best('decode_tokens_per_s'):.1f} | {dec_ratio} | {r.kv_bytes_per_rank / MB:.1f} "
-            f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} |")
+            f"| {r.system} | {r.blas} | {r.context} | {r.best('ttft_ms'):.0f} "
+            f"| {r.best('prefill_tokens_per_s'):.0f} | {pre_ratio} | {r.best('decode_tokens_per_s'):.1f} "
+            f"| {dec_ratio} | {r.kv_bytes_per_rank / MB:.1f} "
+            f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} |"
+        )
     if transport:
         lines += ["", "| ring block | cpchat gRPC ring GB/s | mx.distributed ring GB/s |", "|---:|---:|---:|"]
-        lines += [f"| {t['block_mib']} MiB | {t['grpc_ring_gb_s']:.2f} | {t['mx_distributed_gb_s']:.2f} |"
-                  for t in transport]
+        lines += [
+            f"| {t['block_mib']} MiB | {t['grpc_ring_gb_s']:.2f} | {t['mx_distributed_gb_s']:.2f} |"
+            for t in transport
+        ]
     (out / "results.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps({"command": command, "rows": [asdict(r) for r in rows],
-                                                  "transport": transport}, indent=1))
+    (out / "results.json").write_text(
+        json.dumps({"command": command, "rows": [asdict(r) for r in rows], "transport": transport}, indent=1)
+    )
     write_chart(out / "results.png", rows)
 
 

@@ -25,7 +25,9 @@ def read_document(path: Path) -> Document:
         if not path.is_file():
             raise BadInput(f"{path} is not a file")
         if size > MAX_DOCUMENT_BYTES:
-            raise BadInput(f"{path} is too large ({size >> 20} MiB; the limit is {MAX_DOCUMENT_BYTES >> 20} MiB)")
+            raise BadInput(
+                f"{path} is too large ({size >> 20} MiB; the limit is {MAX_DOCUMENT_BYTES >> 20} MiB)"
+            )
         data = path.read_bytes()
     except FileNotFoundError:
         raise BadInput(f"no such file: {path}") from None

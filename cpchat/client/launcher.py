@@ -62,13 +62,29 @@ def launch_local_ranks(n: int, fast_blas: bool = True, pin_cpus: bool = False) -
     started: list[tuple[int, subprocess.Popen, Path]] = []
     for i in range(n):
         log_path = log_dir / f"rank{i}.log"
-        cmd = [sys.executable, "-m", "cpchat", "rank", "--host", "127.0.0.1", "--port", "0",
-               "--parent-pid", str(os.getpid())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "cpchat",
+            "rank",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         if pin_cpus:
             cmd += ["--cpu", str(i % os.cpu_count())]
         with open(log_path, "wb") as log:
-            process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                                       env=env, start_new_session=True)
+            process = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
         started.append((i, process, log_path))
     ranks: list[LocalRank] = []
     try:

@@ -88,14 +88,28 @@ class Session:
     def choose_algorithm(self, new_tokens: int, cached_tokens: int) -> AlgorithmChoice:
         m = self.cluster.model
         c = explain_algorithm(
-            new_tokens, cached_tokens, m.num_kv_heads, m.num_q_heads, self.cluster.size,
-            max(self.cluster.flops_per_s, 1.0), max(self.cluster.ring_bytes_per_s, 1.0), m.bytes_per_element,
+            new_tokens,
+            cached_tokens,
+            m.num_kv_heads,
+            m.num_q_heads,
+            self.cluster.size,
+            max(self.cluster.flops_per_s, 1.0),
+            max(self.cluster.ring_bytes_per_s, 1.0),
+            m.bytes_per_element,
         )
         forced = self.algorithm != "auto"
         algorithm = self.algorithm if forced else c.algorithm
         reason = "forced by --algorithm" if forced else c.reason
-        return AlgorithmChoice(algorithm, forced, new_tokens, cached_tokens, c.miss_rate,
-                               c.miss_rate_threshold, c.token_threshold, reason)
+        return AlgorithmChoice(
+            algorithm,
+            forced,
+            new_tokens,
+            cached_tokens,
+            c.miss_rate,
+            c.miss_rate_threshold,
+            c.token_threshold,
+            reason,
+        )
 
     # ---- a turn
 
@@ -154,7 +168,11 @@ class Session:
         t_start = time.perf_counter()
         t_first = t_last = None
         done = None
+        cancel_sent = False
         for event in self.cluster.generate(request):
+            if self._cancel.is_set() and not cancel_sent:  # Esc may come before the ranks had the request
+                self.cluster.cancel()
+                cancel_sent = True
             which = event.WhichOneof("event")
             if which == "progress":
                 yield Progress("prefill", event.progress.layer, event.progress.num_layers)
@@ -177,6 +195,9 @@ class Session:
         self.turn_index += 1
         ttft = 1000 * ((t_first or time.perf_counter()) - t_start)
         rate = (len(generated) - 1) / (t_last - t_first) if len(generated) > 1 and t_last > t_first else 0.0
-        usage = [RankUsage(r, res.done.kv_tokens, res.done.kv_bytes, res.done.rss_bytes)
-                 for r, res in sorted(self.cluster.last_results.items()) if res.done]
+        usage = [
+            RankUsage(r, res.done.kv_tokens, res.done.kv_bytes, res.done.rss_bytes)
+            for r, res in sorted(self.cluster.last_results.items())
+            if res.done
+        ]
         yield Done(turn, len(full), len(generated), round(ttft, 1), round(rate, 2), usage)

@@ -52,15 +52,25 @@ class Settings:
 
 
 _KEYS = {f.name: f.type for f in fields(Settings) if f.name != "sources"}
-_CASTS = {"model": str, "ranks": int, "algorithm": str, "max_tokens": int, "temp": float,
-          "top_p": float, "seed": int, "theme": str}
+_CASTS = {
+    "model": str,
+    "ranks": int,
+    "algorithm": str,
+    "max_tokens": int,
+    "temp": float,
+    "top_p": float,
+    "seed": int,
+    "theme": str,
+}
 
 
 def _set(settings: Settings, key: str, value: object, source: str) -> None:
     try:
         value = _CASTS[key](value)
     except (TypeError, ValueError):
-        raise BadInput(f"setting {key} from {source}: {value!r} is not a valid {_CASTS[key].__name__}") from None
+        raise BadInput(
+            f"setting {key} from {source}: {value!r} is not a valid {_CASTS[key].__name__}"
+        ) from None
     if key == "algorithm" and value not in ("auto", "pass_kv", "pass_q"):
         raise BadInput(f"setting algorithm from {source}: {value!r} is not auto, pass_kv or pass_q")
     if key == "ranks" and value < 1:
@@ -86,8 +96,15 @@ def resolve_settings(args: argparse.Namespace, config_file: Path | None = None) 
         env = os.environ.get(f"CPCHAT_{key.upper()}")
         if env is not None:
             _set(settings, key, env, f"CPCHAT_{key.upper()}")
-    flags = {"model": args.model, "ranks": args.ranks, "algorithm": args.algorithm,
-             "max_tokens": args.max_tokens, "temp": args.temp, "top_p": args.top_p, "seed": args.seed}
+    flags = {
+        "model": args.model,
+        "ranks": args.ranks,
+        "algorithm": args.algorithm,
+        "max_tokens": args.max_tokens,
+        "temp": args.temp,
+        "top_p": args.top_p,
+        "seed": args.seed,
+    }
     for key, value in flags.items():
         if value is not None:
             _set(settings, key, value, "flag --" + key.replace("_", "-"))
@@ -117,5 +134,7 @@ def resolve_model(model: str) -> tuple[str, str]:
             raise BadInput(f"{model} is not an mlx-lm model directory (no config.json)")
         return str(path.resolve()), str(path)
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):
-        raise BadInput(f"model {model!r} is not a local directory, and this machine cannot download from a hub")
+        raise BadInput(
+            f"model {model!r} is not a local directory, and this machine cannot download from a hub"
+        )
     raise BadInput(f"model path {model} does not exist")

@@ -51,8 +51,7 @@ def explain_algorithm(
     miss_rate = new_tokens / (new_tokens + cached_tokens)
     miss_threshold = 2 * num_kv_heads / num_q_heads
     token_threshold = (
-        num_ranks * flops_per_s * num_kv_heads * bytes_per_element
-        / (2 * num_q_heads * bandwidth_bytes_per_s)
+        num_ranks * flops_per_s * num_kv_heads * bytes_per_element / (2 * num_q_heads * bandwidth_bytes_per_s)
     )
     if new_tokens == 1 and cached_tokens > 0:
         return Choice("pass_q", miss_rate, miss_threshold, token_threshold, "decode")
@@ -77,6 +76,12 @@ def select_algorithm(
     bytes_per_element: int = 2,
 ) -> Algorithm:
     return explain_algorithm(
-        new_tokens, cached_tokens, num_kv_heads, num_q_heads, num_ranks,
-        flops_per_s, bandwidth_bytes_per_s, bytes_per_element,
+        new_tokens,
+        cached_tokens,
+        num_kv_heads,
+        num_q_heads,
+        num_ranks,
+        flops_per_s,
+        bandwidth_bytes_per_s,
+        bytes_per_element,
     ).algorithm

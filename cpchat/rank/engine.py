@@ -131,7 +131,9 @@ class Engine:
             self.kv.commit()
         return hidden
 
-    def _prefill(self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, on_layer) -> mx.array | None:
+    def _prefill(
+        self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, on_layer
+    ) -> mx.array | None:
         tokens, n, start = list(req.tokens), ring.size, self.total_tokens
         layout = head_tail_layout(len(tokens), n, ring.rank)
         local = layout.positions()
@@ -141,9 +143,16 @@ class Engine:
         self.kv.begin_append(positions[real])
         mode = "pass_q" if req.algorithm == pb.PASS_Q else "pass_kv"
         ring_pass = RingPass(
-            request_id=req.request_id, mode=mode, ring=ring, kv=self.kv,
+            request_id=req.request_id,
+            mode=mode,
+            ring=ring,
+            kv=self.kv,
             row_offsets=mx.array([start + s for s in layout.starts]),
-            q_positions=positions, real=real, store=True, abort=abort, on_layer=on_layer,
+            q_positions=positions,
+            real=real,
+            store=True,
+            abort=abort,
+            on_layer=on_layer,
         )
         hidden = self._forward(ring_pass, ids)
         self._record(ring_pass)
@@ -153,15 +162,23 @@ class Engine:
         last = local.index(len(tokens) - 1)
         return _logits(self.model, hidden.reshape(-1, hidden.shape[-1])[last])
 
-    def _decode(self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, token: int) -> mx.array | None:
+    def _decode(
+        self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, token: int
+    ) -> mx.array | None:
         position = self.total_tokens
         store = position % ring.size == ring.rank
         if store:
             self.kv.begin_append(np.array([position]))
         ring_pass = RingPass(
-            request_id=req.request_id, mode="decode", ring=ring, kv=self.kv,
-            row_offsets=position, q_positions=np.array([position]), real=np.array([True]),
-            store=store, abort=abort,
+            request_id=req.request_id,
+            mode="decode",
+            ring=ring,
+            kv=self.kv,
+            row_offsets=position,
+            q_positions=np.array([position]),
+            real=np.array([True]),
+            store=store,
+            abort=abort,
         )
         hidden = self._forward(ring_pass, mx.array([[token]]))
         self._record(ring_pass)
@@ -201,7 +218,9 @@ class Engine:
         stop = set(req.stop_tokens)
 
         def on_layer(layer: int) -> None:
-            emit(pb.GenerateEvent(progress=pb.LayerProgress(layer=layer + 1, num_layers=self.info.num_layers)))
+            emit(
+                pb.GenerateEvent(progress=pb.LayerProgress(layer=layer + 1, num_layers=self.info.num_layers))
+            )
 
         try:
             t0 = time.perf_counter()

@@ -62,7 +62,9 @@ class KVShard:
     def layer(self, layer: int) -> tuple[mx.array, mx.array, np.ndarray]:
         """Keys, values and positions of one layer, the pending append included."""
         n = self._lengths[layer]
-        positions = self.positions if self._pending is None else np.concatenate([self.positions, self._pending])
+        positions = (
+            self.positions if self._pending is None else np.concatenate([self.positions, self._pending])
+        )
         if n == 0:
             return None, None, positions[:0]
         return self.keys[layer][..., :n, :], self.values[layer][..., :n, :], positions[:n]
