@@ -223,7 +223,8 @@ class Cluster:
             infos = self._each(load_one)
         except BackendError as e:
             if "cannot load model" in str(e) or "not supported" in str(e):
-                raise BadInput(str(e).split(": ", 1)[-1]) from None
+                # Attached ranks load from their own disks: say which one could not.
+                raise BadInput(str(e).split(": ", 1)[-1] if self.is_local else str(e)) from None
             raise
         p = infos[0]
         self.model = ModelInfo(model, p.model_type, p.num_layers, p.num_q_heads, p.num_kv_heads,
@@ -333,7 +334,7 @@ class Cluster:
         except grpc.RpcError as e:
             code = e.code()
             if code == grpc.StatusCode.CANCELLED and watch.failure:
-                r.state = "ready"
+                r.state = "failed" if r.state == "failed" else "ready"
             elif code == grpc.StatusCode.ABORTED:  # its ring link broke: the culprit may be a neighbour
                 r.state = "ready"
                 events.put(("ring", (r, e)))
@@ -374,12 +375,13 @@ class Cluster:
     def _abort_all(self, streams) -> None:
         """Stop the request on every rank (their KV rolls back). Waits only for the survivors'
         answers, so that a Configure right after finds them idle or winding down."""
+        survivors = [r.state != "failed" for r in self.ranks]
         for s in streams:
             s.cancel()
-        calls = [(r, r.control.Cancel.future(pb.CancelRequest(request_id=self._current_request), timeout=2.0,
-                                             metadata=self.metadata)) for r in self.ranks]
-        for r, call in calls:
-            if r.state != "failed":
+        request = pb.CancelRequest(request_id=self._current_request)
+        calls = [r.control.Cancel.future(request, timeout=2.0, metadata=self.metadata) for r in self.ranks]
+        for alive, call in zip(survivors, calls, strict=True):
+            if alive:
                 with contextlib.suppress(grpc.RpcError):
                     call.result()
 

@@ -74,8 +74,12 @@ class LoadProgress(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bytes_per_element: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("probe_bytes", "rounds")
+    PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    probe_bytes: int
+    rounds: int
+    def __init__(self, probe_bytes: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class CalibrateReply(_message.Message):
     __slots__ = ("flops_per_s", "ring_bytes_per_s")
@@ -174,10 +178,12 @@ class CancelReply(_message.Message):
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ("interval_s",)
+    __slots__ = ("interval_s", "once")
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    ONCE_FIELD_NUMBER: _ClassVar[int]
     interval_s: float
-    def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
+    once: bool
+    def __init__(self, interval_s: _Optional[float] = ..., once: _Optional[bool] = ...) -> None: ...
 
 class RingStep(_message.Message):
     __slots__ = ("layer", "step", "compute_ms", "wait_ms", "bytes_sent")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import os
 import queue
 import sys
@@ -20,7 +21,7 @@ from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 from cpchat.rank.engine import BadRequest, Engine, UnsupportedModel
 from cpchat.rank.ring import Aborted, Mailbox, Ring, RingBroken, RingLink
-from cpchat.rank.wire import BlockKey, FrameError
+from cpchat.rank.wire import CHUNK_BYTES, DTYPES, MAX_BLOCK_BYTES, BlockKey, FrameError
 
 TOKEN_HEADER = "x-cpchat-token"
 MAX_MESSAGE = 16 << 20
@@ -39,7 +40,33 @@ SERVER_OPTIONS = [
 ]
 PROBE_BYTES = 4 << 20
 MAX_PROBE_BYTES = 256 << 20
+MAX_RING = 256  # ranks in one ring
+MAX_ID = 128  # characters in a request or ring id
+MAX_DIMS = 8
+WIND_DOWN_S = 5.0  # how long Configure waits for an aborted request to roll back
 _END = object()
+
+
+class NotNow(BadRequest):
+    """A well-formed request at the wrong moment (busy, not configured): FAILED_PRECONDITION."""
+
+
+def check_ring(rank: int, addresses: list[str], ring_id: str) -> None:
+    """Refuse a ring description this rank cannot act on, before anything changes."""
+    if not 0 < len(addresses) <= MAX_RING:
+        raise BadRequest(f"a ring has 1..{MAX_RING} ranks, got {len(addresses)} addresses")
+    if rank >= len(addresses):
+        raise BadRequest(f"rank {rank} is not in a ring of {len(addresses)}")
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        if not host or len(a) > 300 or not port.isdigit() or not 0 < int(port) < 65536:
+            raise BadRequest(f"bad rank address {a[:60]!r}: expected host:port")
+    if len(ring_id) > MAX_ID:
+        raise BadRequest(f"ring_id longer than {MAX_ID} characters")
+
+
+def status_of(e: BadRequest) -> grpc.StatusCode:
+    return grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, NotNow) else grpc.StatusCode.INVALID_ARGUMENT
 
 
 class RankState:
@@ -57,16 +84,16 @@ class RankState:
         self.busy = threading.Lock()
         self.abort: threading.Event | None = None
         self.request_id = ""
+        self.activity = ""  # what holds `busy`, for refusals
         self.stats_version = 0
         self.calibrations = 0
 
     # ---- ring
 
     def configure(self, rank: int, addresses: list[str], ring_id: str) -> None:
-        if not addresses or rank >= len(addresses):
-            raise BadRequest(f"rank {rank} is not in a ring of {len(addresses)}")
-        if not self.busy.acquire(blocking=False):
-            raise BadRequest(f"rank is busy with request {self.request_id}; cannot join a new ring now")
+        check_ring(rank, addresses, ring_id)
+        if not self._acquire_for_configure():
+            raise NotNow(f"rank is busy with {self.activity}; it cannot join a new ring until that ends")
         try:
             if self.ring and self.ring.link:
                 self.ring.link.close()
@@ -77,10 +104,19 @@ class RankState:
                 peer = addresses[(rank + 1) % size]
                 link = RingLink(self.channel(peer), self.ring_id, rank, peer, self.metadata())
             self.ring = Ring(rank, size, link, Mailbox(self.validate_frame))
+            self.calibrations = 0  # probe ids must agree across the ring, a replacement rank included
             if self.engine.kv is not None:
                 self.engine.reset(0)
         finally:
             self.busy.release()
+
+    def _acquire_for_configure(self) -> bool:
+        """Take the rank at once if idle; wait a little only for a request that is already
+        aborting (its front end saw a failure and will re-form the ring right away)."""
+        if self.busy.acquire(blocking=False):
+            return True
+        abort = self.abort
+        return abort is not None and abort.is_set() and self.busy.acquire(timeout=WIND_DOWN_S)
 
     def channel(self, address: str) -> grpc.Channel:
         options = [("grpc.max_send_message_length", MAX_MESSAGE), *KEEPALIVE]
@@ -92,8 +128,12 @@ class RankState:
         return ((TOKEN_HEADER, self.token),) if self.token else ()
 
     def validate_frame(self, f: pb.Frame) -> None:
+        """Refuse a frame whose header does not fit this ring, this model or the byte limits
+        (before any of its bytes are kept)."""
         if self.ring is None or f.ring_id != self.ring_id:
             raise FrameError("frame for a ring this rank is not part of")
+        if len(f.request_id) > MAX_ID:
+            raise FrameError(f"request_id longer than {MAX_ID} characters")
         size = self.ring.size
         if f.source_rank >= size:
             raise FrameError(f"source_rank {f.source_rank} outside the ring of {size}")
@@ -105,6 +145,15 @@ class RankState:
                 raise FrameError(f"step {f.step} outside a ring of {size}")
         elif f.kind not in (pb.TOKEN, pb.PROBE):
             raise FrameError(f"unknown frame kind {f.kind}")
+        if f.dtype not in DTYPES:
+            raise FrameError(f"dtype {f.dtype!r} is not one of {', '.join(DTYPES)}")
+        if len(f.shape) > MAX_DIMS:
+            raise FrameError(f"{len(f.shape)} dimensions; at most {MAX_DIMS}")
+        nbytes = math.prod(f.shape) * DTYPES[f.dtype][0].itemsize  # Python ints: no overflow
+        if nbytes > MAX_BLOCK_BYTES:
+            raise FrameError(f"tensor of {nbytes} bytes exceeds the {MAX_BLOCK_BYTES} byte limit")
+        if len(f.data) > CHUNK_BYTES:
+            raise FrameError(f"frame of {len(f.data)} bytes exceeds the {CHUNK_BYTES} byte chunk limit")
 
     def prev_link_closed(self, ring_id: str) -> None:
         if self.ring is not None and ring_id == self.ring_id:
@@ -115,10 +164,11 @@ class RankState:
 
     def begin(self, request_id: str) -> threading.Event:
         if self.ring is None:
-            raise BadRequest("this rank is not part of a ring yet (Configure first)")
+            raise NotNow("this rank is not part of a ring yet (Configure first)")
         if not self.busy.acquire(blocking=False):
-            raise BadRequest(f"rank is busy with request {self.request_id}; one generation at a time")
+            raise NotNow(f"rank is busy with {self.activity}; one generation at a time")
         self.abort, self.request_id, self.state = threading.Event(), request_id, "busy"
+        self.activity = f"request {request_id}"
         self.stats_version += 1
         return self.abort
 
@@ -185,20 +235,26 @@ class ControlServicer(pb_grpc.ControlServicer):
         try:
             self.s.configure(request.rank, list(request.addresses), request.ring_id)
         except BadRequest as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            context.abort(status_of(e), str(e))
         return pb.ConfigureReply()
 
     def LoadModel(self, request, context):
-        self.s.state = "loading"
-        yield pb.LoadProgress(stage="loading")
+        if not self.s.busy.acquire(blocking=False):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"rank is busy with {self.s.activity}; cannot load a model now")
         try:
-            info = self.s.engine.load(request.model)
-        except UnsupportedModel as e:
-            self.s.state = "idle"
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except Exception as e:  # noqa: BLE001 - any load failure is reported, not raised
-            self.s.state = "idle"
-            context.abort(grpc.StatusCode.NOT_FOUND, f"cannot load model {request.model!r}: {e}")
+            self.s.activity, self.s.state = "loading a model", "loading"
+            yield pb.LoadProgress(stage="loading")
+            try:
+                info = self.s.engine.load(request.model)
+            except UnsupportedModel as e:
+                self.s.state = "ready" if self.s.engine.model is not None else "idle"  # the old model stays
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            except Exception as e:  # noqa: BLE001 - any load failure is reported, not raised
+                self.s.state = "ready" if self.s.engine.model is not None else "idle"
+                context.abort(grpc.StatusCode.NOT_FOUND, f"cannot load model {request.model!r}: {e}")
+        finally:
+            self.s.busy.release()
         self.s.state = "ready"
         self.s.stats_version += 1
         yield pb.LoadProgress(
@@ -211,16 +267,19 @@ class ControlServicer(pb_grpc.ControlServicer):
     def Calibrate(self, request, context):
         try:
             probe = min(request.probe_bytes or PROBE_BYTES, MAX_PROBE_BYTES)
-            flops, bandwidth = self.s.calibrate(probe, min(max(request.rounds, 1), 20) if request.rounds else 3)
+            flops, bandwidth = self.s.calibrate(probe, min(request.rounds, 20) or 3)
         except RingBroken as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            context.abort(grpc.StatusCode.ABORTED, str(e))
         return pb.CalibrateReply(flops_per_s=flops, ring_bytes_per_s=min(bandwidth, 1e15))
 
     def Generate(self, request, context):
         try:
+            if len(request.request_id) > MAX_ID:
+                raise BadRequest(f"request_id longer than {MAX_ID} characters")
+            self.s.engine.validate(request)  # a malformed request never takes the rank
             abort = self.s.begin(request.request_id)
         except BadRequest as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            context.abort(status_of(e), str(e))
         events: queue.Queue = queue.Queue()
         context.add_callback(abort.set)  # the front end went away
 
@@ -295,16 +354,20 @@ class RingServicer(pb_grpc.RingServicer):
         self.s = state
 
     def Link(self, request_iterator, context):
+        """Frames from the previous rank. Only a stream whose frames were all accepted counts as
+        the ring's link: one that sent a bad frame is cut, and its end breaks nothing else."""
         ring_id = None
         try:
             for frame in request_iterator:
-                ring_id = ring_id or frame.ring_id
-                if self.s.ring is None:
+                ring = self.s.ring
+                if ring is None:
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this rank is not part of a ring")
                 try:
-                    self.s.ring.mailbox.put(frame)
-                except FrameError as e:
+                    ring.mailbox.put(frame)
+                except (FrameError, ValueError) as e:
+                    ring_id = None
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad frame: {e}")
+                ring_id = frame.ring_id
         finally:
             if ring_id is not None and not context.is_active():
                 self.s.prev_link_closed(ring_id)
@@ -312,7 +375,8 @@ class RingServicer(pb_grpc.RingServicer):
 
 
 class TokenCheck(grpc.ServerInterceptor):
-    """Refuse every RPC (control and ring) that lacks the cluster token."""
+    """Refuse every RPC (control and ring) that lacks the cluster token, before any servicer runs;
+    the refusal says nothing about the rank."""
 
     def __init__(self, token: str) -> None:
         self.token = token.encode()
@@ -320,17 +384,22 @@ class TokenCheck(grpc.ServerInterceptor):
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
 
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.stream_unary_rpc_method_handler(deny)
+        self._deny = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(deny),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny),
+            (True, True): grpc.stream_stream_rpc_method_handler(deny),
+        }
 
     def intercept_service(self, continuation, details):
-        given = dict(details.invocation_metadata).get(TOKEN_HEADER, "")
-        if hmac.compare_digest(given.encode(), self.token):
+        given = [v for k, v in details.invocation_metadata if k == TOKEN_HEADER]
+        value = given[0] if len(given) == 1 and isinstance(given[0], str) else ""
+        if hmac.compare_digest(value.encode(), self.token):  # constant time
             return continuation(details)
         handler = continuation(details)
-        if handler is not None and handler.request_streaming:
-            return self._deny_stream
-        return self._deny_unary
+        if handler is None:
+            return self._deny[(False, False)]
+        return self._deny[(handler.request_streaming, handler.response_streaming)]
 
 
 def serve(

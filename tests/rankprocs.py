@@ -1,0 +1,119 @@
+"""Rank processes that tests start, signal and kill themselves, and the files they need
+(token, TLS certificates). Every start is bounded by a deadline; `stop` always reaps."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cpchat.client.launcher import rank_environment
+
+CPCHAT = [sys.executable, "-m", "cpchat"]
+START_TIMEOUT_S = 90.0
+
+
+@dataclass
+class RankProc:
+    process: subprocess.Popen
+    address: str
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> None:
+        """Kill and reap, also a stopped (SIGSTOP) rank."""
+        if self.process.poll() is None:
+            os.kill(self.pid, signal.SIGCONT)
+            self.process.kill()
+        self.process.wait(timeout=30)
+        self.process.stdout.close()
+
+
+def start_ranks(
+    n: int,
+    tmp: Path,
+    *,
+    token_file: Path | None = None,
+    tls: dict[str, Path] | None = None,
+    hosts: list[str] | None = None,
+    port: int = 0,
+    prefix: list[list[str]] | None = None,
+) -> list[RankProc]:
+    """Start n `cpchat rank` processes at once and wait for each one's "listening" line.
+    `prefix[i]` runs rank i under a wrapper (e.g. `ip netns exec NS`)."""
+    started = []
+    env = rank_environment()
+    for i in range(n):
+        cmd = CPCHAT + ["rank", "--host", hosts[i] if hosts else "127.0.0.1", "--port", str(port)]
+        if token_file:
+            cmd += ["--token-file", str(token_file)]
+        for flag, key in (("--tls-cert", "cert"), ("--tls-key", "key"), ("--tls-ca", "ca")):
+            if tls and key in tls:
+                cmd += [flag, str(tls[key])]
+        log = tmp / f"rank-{time.monotonic_ns()}-{i}.log"
+        with open(log, "wb") as err:
+            process = subprocess.Popen((prefix[i] if prefix else []) + cmd, stdout=subprocess.PIPE,
+                                       stderr=err, stdin=subprocess.DEVNULL, env=env, text=True)
+        started.append((process, log))
+    ranks = []
+    try:
+        for process, log in started:
+            ranks.append(RankProc(process, wait_listening(process, log), log))
+    except BaseException:
+        for process, _ in started:
+            process.kill()
+            process.wait()
+        raise
+    return ranks
+
+
+def wait_listening(process: subprocess.Popen, log: Path) -> str:
+    selector = selectors.DefaultSelector()
+    selector.register(process.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and process.poll() is None:
+        if selector.select(timeout=0.2):
+            line = process.stdout.readline()
+            if line.startswith("{"):
+                return json.loads(line)["address"]
+    raise RuntimeError(f"rank did not start: {log.read_text()[-2000:]}")
+
+
+def stop_all(ranks: list[RankProc]) -> None:
+    for r in ranks:
+        r.stop()
+
+
+def write_token(path: Path, token: str = "s3cret-cluster-token", mode: int = 0o600) -> Path:
+    path.write_text(token + "\n")
+    path.chmod(mode)
+    return path
+
+
+def make_certs(directory: Path, ips: list[str], name: str = "ca") -> dict[str, Path]:
+    """A CA and a server certificate for `ips` (subjectAltName), with the openssl CLI."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, csr, cert = (directory / f for f in (f"{name}.key", f"{name}.pem", "rank.key",
+                                                          "rank.csr", "rank.pem"))
+    ext = directory / "san.ext"
+    ext.write_text("subjectAltName=" + ",".join(f"IP:{ip}" for ip in ips) + "\n")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca),
+            "-days", "2", "-subj", f"/CN=cpchat test {name}")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
+            "-subj", "/CN=cpchat rank")
+    openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+            "-out", str(cert), "-days", "2", "-extfile", str(ext))
+    return {"ca": ca, "cert": cert, "key": key}

@@ -1,0 +1,227 @@
+"""Design §6 failure: a rank that dies (SIGKILL) or hangs (SIGSTOP) in the middle of a
+generation is named, with the phase, within 5 s; headless exits 3; the survivors drop the
+request, and answer exactly once the ring is re-formed (smaller, with a replacement, or with
+the stopped rank back)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import random_prompt, reference_generate, reference_model, run_raw
+from rankprocs import CPCHAT, RankProc, start_ranks, stop_all, write_token
+
+from cpchat.client.cluster import BackendError, Cluster
+from cpchat.protocol import cpchat_pb2 as pb
+from cpchat.smallmodels import write_model
+
+TOKEN = "fault-test-token"
+AUTH = (("x-cpchat-token", TOKEN),)
+DETECT_S = 5.0
+PROMPT = "The quick brown fox jumps over the lazy dog. Keys and values travel around the ring."
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory) -> Path:
+    """Eight layers, so a long prefill reports progress layer by layer for a while."""
+    return write_model(tmp_path_factory.mktemp("deep") / "llama8", "llama", seed=11, num_layers=8)
+
+
+@pytest.fixture
+def ring3(tmp_path, deep_model):
+    """Three token-protected ranks of our own (we kill them), loaded as one ring."""
+    token = write_token(tmp_path / "token", TOKEN)
+    ranks = start_ranks(3, tmp_path, token_file=token)
+    cluster = Cluster([r.address for r in ranks], token=TOKEN)
+    try:
+        cluster.connect()
+        cluster.load(str(deep_model))
+        yield ranks, cluster, token
+    finally:
+        cluster.close()
+        stop_all(ranks)
+
+
+def wait_idle(addresses: list[str], timeout: float = 15.0) -> None:
+    """Until every rank answers and none is still winding down the failed request."""
+    probe = Cluster(addresses, token=TOKEN)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            states = [r.control.Health(pb.HealthRequest(), timeout=5, metadata=AUTH).state
+                      for r in probe.ranks]
+            if "busy" not in states:
+                return
+            assert time.monotonic() < deadline, f"ranks still busy: {states}"
+            time.sleep(0.05)
+    finally:
+        probe.close()
+
+
+def answers_exactly(addresses: list[str], path: Path, seed: int) -> None:
+    """Form a new ring of these ranks and check it against single-process mlx-lm."""
+    wait_idle(addresses)
+    cluster = Cluster(addresses, token=TOKEN)
+    try:
+        cluster.connect()
+        cluster.load(str(path))
+        ids = random_prompt(path, 40, seed=seed)
+        got, _, _ = run_raw(cluster, path, ids, "pass_kv", 5)
+        assert [t for t, _ in got] == [t for t, _ in reference_generate(path, ids, 5)]
+    finally:
+        cluster.close()
+
+
+def gone(rank: RankProc) -> bool:
+    rank.process.wait(timeout=10)
+    return not psutil.pid_exists(rank.pid)
+
+
+def test_sigkill_mid_prefill_names_the_rank_and_layer(ring3, deep_model):
+    ranks, cluster, _ = ring3
+    victim = ranks[2]
+    ids = random_prompt(deep_model, 1500, seed=1)
+    fault = None
+    with pytest.raises(BackendError) as err:
+        for event in cluster.generate(pb.GenerateRequest(tokens=ids, max_tokens=4, algorithm=pb.PASS_KV)):
+            if event.WhichOneof("event") == "progress" and fault is None:
+                os.kill(victim.pid, signal.SIGKILL)  # the first layer is done: prefill is under way
+                fault = time.monotonic()
+    detected = time.monotonic() - fault
+    print(f"\nSIGKILL mid-prefill detected in {detected:.2f} s: {err.value}")
+    assert detected < DETECT_S
+    assert f"rank 2 ({victim.address}) stopped answering during prefill, layer " in str(err.value)
+    assert gone(victim)
+    answers_exactly([r.address for r in ranks[:2]], deep_model, seed=2)
+
+
+def test_sigkill_mid_prefill_headless_exits_3(ring3, deep_model, tmp_path):
+    """Through the real CLI: the kill lands once rank 0 reports itself busy with the long prompt."""
+    ranks, cluster, token = ring3
+    victim = ranks[1]
+    prompt = tmp_path / "long.txt"
+    prompt.write_text(" ".join(f"word{i % 97} and{i % 13}" for i in range(1500)))
+    stats = cluster.ranks[0].control.Stats(pb.StatsRequest(interval_s=0.05), timeout=300, metadata=AUTH)
+    p = headless(ranks, token, deep_model, max_tokens=4, prompt_file=prompt)
+    try:
+        assert next(s for s in stats if s.state == "busy")  # the front end's Generate has begun
+        os.kill(victim.pid, signal.SIGKILL)
+        fault = time.monotonic()
+        stats.cancel()
+        event = next(e for e in map(json.loads, p.stdout) if e["event"] == "error")
+        detected = time.monotonic() - fault
+        print(f"\nSIGKILL mid-prefill (headless) detected in {detected:.2f} s: {event['message']}")
+        assert detected < DETECT_S
+        assert event["message"].startswith(f"rank 1 ({victim.address}) stopped answering during prefill")
+        assert_clean_exit(p, event["message"])
+    finally:
+        p.kill()
+        p.wait()
+    assert gone(victim)
+
+
+def headless(attach: list[RankProc], token: Path, model: Path, max_tokens: int,
+             prompt_file: Path | None = None) -> subprocess.Popen:
+    prompt = ["--prompt-file", str(prompt_file)] if prompt_file else ["--prompt", PROMPT]
+    return subprocess.Popen(
+        CPCHAT + ["--headless", "--attach", ",".join(r.address for r in attach), "--token-file", str(token),
+                  "--model", str(model), "--raw", "--temp", "0", "--json", "--max-tokens", str(max_tokens),
+                  *prompt],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def fault_on_first_token(p: subprocess.Popen, fault) -> tuple[dict, float]:
+    """Read the JSON events; apply `fault` at the first token; return the error event and how
+    long after the fault it arrived."""
+    t_fault = None
+    for line in p.stdout:  # ends when the front end exits
+        event = json.loads(line)
+        if event["event"] == "token" and t_fault is None:
+            fault()
+            t_fault = time.monotonic()
+        elif event["event"] == "error":
+            assert t_fault is not None, event
+            return event, time.monotonic() - t_fault
+    raise AssertionError(f"no error event; stderr: {p.stderr.read()}")
+
+
+def assert_clean_exit(p: subprocess.Popen, message: str) -> None:
+    assert p.wait(timeout=30) == 3
+    lines = [ln for ln in p.stderr.read().splitlines() if ln.strip()]
+    assert lines == [f"cpchat: {message}"]
+    assert children_of(p.pid) == []
+
+
+def children_of(pid: int) -> list[psutil.Process]:
+    """Rank processes a front end launched (none when it attaches)."""
+    found = []
+    for q in psutil.process_iter(["cmdline"]):
+        cmd = q.info["cmdline"] or []
+        if "--parent-pid" in cmd[:-1] and cmd[cmd.index("--parent-pid") + 1] == str(pid):
+            found.append(q)
+    return found
+
+
+def decodes_for_a_while(model: Path) -> None:
+    """The prompt's greedy answer runs well past the first token (no early end of sequence)."""
+    _, tokenizer = reference_model(model)
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    tokens = [t for t, _ in reference_generate(model, ids, 30)]
+    assert len(tokens) == 30 and not set(tokens) & set(tokenizer.eos_token_ids)
+
+
+def test_sigkill_mid_decode_then_a_replacement_joins(ring3, deep_model, tmp_path):
+    ranks, _, token = ring3
+    decodes_for_a_while(deep_model)
+    victim = ranks[1]
+    p = headless(ranks, token, deep_model, max_tokens=300)
+    try:
+        event, detected = fault_on_first_token(p, lambda: os.kill(victim.pid, signal.SIGKILL))
+        print(f"\nSIGKILL mid-decode detected in {detected:.2f} s: {event['message']}")
+        assert detected < DETECT_S
+        expected = f"rank 1 ({victim.address}) stopped answering during decode, token "
+        assert event["message"].startswith(expected)
+        assert_clean_exit(p, event["message"])
+    finally:
+        p.kill()
+        p.wait()
+    assert gone(victim)
+    replacement = start_ranks(1, tmp_path, token_file=token)
+    try:
+        answers_exactly([ranks[0].address, replacement[0].address, ranks[2].address], deep_model, seed=3)
+    finally:
+        stop_all(replacement)
+
+
+def test_sigstop_hang_is_detected_and_the_rank_rejoins(ring3, deep_model):
+    ranks, _, token = ring3
+    decodes_for_a_while(deep_model)
+    victim = ranks[2]
+    p = headless(ranks, token, deep_model, max_tokens=300)
+    try:
+        event, detected = fault_on_first_token(p, lambda: os.kill(victim.pid, signal.SIGSTOP))
+        print(f"\nSIGSTOP (hang) detected in {detected:.2f} s: {event['message']}")
+        assert detected < DETECT_S
+        assert event["message"].startswith(f"rank 2 ({victim.address}) stopped answering during decode")
+        assert_clean_exit(p, event["message"])
+    finally:
+        p.kill()
+        p.wait()
+    assert psutil.Process(victim.pid).status() == psutil.STATUS_STOPPED
+    answers_exactly([r.address for r in ranks[:2]], deep_model, seed=4)
+    os.kill(victim.pid, signal.SIGCONT)  # the hung rank comes back and joins a new ring of three
+    answers_exactly([r.address for r in ranks], deep_model, seed=5)
+
+
+def test_faults_leave_no_rank_behind(tmp_path):
+    """The fixture's teardown reaps even a stopped rank."""
+    ranks = start_ranks(1, tmp_path)
+    os.kill(ranks[0].pid, signal.SIGSTOP)
+    stop_all(ranks)
+    assert not psutil.pid_exists(ranks[0].pid)
