@@ -7,6 +7,7 @@ through LD_PRELOAD: the mlx[cpu] wheel's reference BLAS is ~30x slower.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -41,6 +42,9 @@ class LocalRank:
                 self.process.kill()
                 self.process.wait()
         self.process.stdout.close()
+        self.log_path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.log_path.parent.rmdir()  # the last rank of the launch removes the folder
 
 
 def rank_environment(fast_blas: bool = True) -> dict[str, str]:

@@ -85,7 +85,6 @@ class RankState:
         self.abort: threading.Event | None = None
         self.request_id = ""
         self.activity = ""  # what holds `busy`, for refusals
-        self.stats_version = 0
         self.calibrations = 0
 
     # ---- ring
@@ -169,12 +168,10 @@ class RankState:
             raise NotNow(f"rank is busy with {self.activity}; one generation at a time")
         self.abort, self.request_id, self.state = threading.Event(), request_id, "busy"
         self.activity = f"request {request_id}"
-        self.stats_version += 1
         return self.abort
 
     def end(self) -> None:
         self.state = "ready"
-        self.stats_version += 1
         self.busy.release()
 
     def cancel(self, request_id: str) -> bool:
@@ -256,7 +253,6 @@ class ControlServicer(pb_grpc.ControlServicer):
         finally:
             self.s.busy.release()
         self.s.state = "ready"
-        self.s.stats_version += 1
         yield pb.LoadProgress(
             stage="ready", model_type=info.model_type, num_layers=info.num_layers,
             num_q_heads=info.num_q_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
@@ -338,7 +334,6 @@ class ControlServicer(pb_grpc.ControlServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
             self.s.busy.release()
-        self.s.stats_version += 1
         return pb.ResetReply(kv_tokens=len(self.s.engine.kv) if self.s.engine.kv else 0)
 
     def Health(self, request, context):
