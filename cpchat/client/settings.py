@@ -115,7 +115,10 @@ def demo_model() -> tuple[Path, str]:
     """The built-in demo model and a plain description of it."""
     trained = REPO_ASSETS / "demo-model"
     if (trained / "config.json").exists():
-        return trained, "the built-in demo model (a small llama trained to answer from documents)"
+        return trained, (
+            "the built-in demo model: a 3M-parameter llama trained on document questions, still undertrained "
+            "(it knows the answer format, not yet reliable retrieval; see assets/demo-model/README.md)"
+        )
     from cpchat.smallmodels import write_model
 
     path = cache_dir() / "random-demo-model"

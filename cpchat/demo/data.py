@@ -17,8 +17,19 @@ from pathlib import Path
 NOT_FOUND = "The document does not say."
 POSITIONS = ("start", "middle", "end")
 
-NAMES = ["Orion", "Lyra", "Vega", "Altair", "Rigel", "Sirius", "Deneb", "Antares", "Polaris", "Castor", "Pollux", "Mira", "Electra", "Atlas", "Hydra", "Draco", "Cygnus", "Perseus", "Andromeda", "Cassia", "Juno", "Ceres", "Vesta", "Pallas", "Titan", "Rhea", "Tethys", "Dione", "Janus", "Phoebe", "Nova", "Zephyr", "Aurora", "Borealis", "Kestrel", "Falcon", "Osprey", "Heron", "Raven", "Sparrow", "Willow", "Cedar", "Aspen", "Maple", "Birch", "Juniper", "Hazel", "Rowan", "Alder", "Laurel", "Granite", "Basalt", "Quartz", "Cobalt", "Amber", "Onyx", "Jasper", "Garnet", "Topaz", "Opal", "Meridian", "Horizon", "Summit", "Harbor", "Beacon", "Citadel", "Bastion", "Lantern", "Compass", "Anchor"]
-KINDS = ["vault", "station", "archive", "lab", "depot", "tower", "bridge", "garden", "museum", "library", "clinic", "school", "factory", "harbor", "observatory", "mill", "warehouse", "theater"]
+NAMES = (
+    "Orion", "Lyra", "Vega", "Altair", "Rigel", "Sirius", "Deneb", "Antares", "Polaris", "Castor", "Pollux",
+    "Mira", "Electra", "Atlas", "Hydra", "Draco", "Cygnus", "Perseus", "Andromeda", "Cassia", "Juno",
+    "Ceres", "Vesta", "Pallas", "Titan", "Rhea", "Tethys", "Dione", "Janus", "Phoebe", "Nova", "Zephyr",
+    "Aurora", "Borealis", "Kestrel", "Falcon", "Osprey", "Heron", "Raven", "Sparrow", "Willow", "Cedar",
+    "Aspen", "Maple", "Birch", "Juniper", "Hazel", "Rowan", "Alder", "Laurel", "Granite", "Basalt",
+    "Quartz", "Cobalt", "Amber", "Onyx", "Jasper", "Garnet", "Topaz", "Opal", "Meridian", "Horizon",
+    "Summit", "Harbor", "Beacon", "Citadel", "Bastion", "Lantern", "Compass", "Anchor",
+)
+KINDS = (
+    "vault", "station", "archive", "lab", "depot", "tower", "bridge", "garden", "museum", "library",
+    "clinic", "school", "factory", "harbor", "observatory", "mill", "warehouse", "theater",
+)
 # attribute -> kind of value
 ATTRIBUTES = {
     "access code": "code",
@@ -36,12 +47,35 @@ ATTRIBUTES = {
     "signal color": "color",
     "opening date": "date",
 }
-FIRST = ["Ada", "Alan", "Grace", "Linus", "Marie", "Niels", "Emmy", "Paul", "Rosa", "Carl", "Lise", "Max", "Hedy", "Kurt", "Jane", "Omar", "Priya", "Wei", "Kenji", "Sofia", "Ingrid", "Tomas", "Elena", "Yusuf", "Amara", "Diego", "Hana", "Lars", "Mei", "Nadia", "Oscar", "Ravi", "Sara", "Tariq", "Vera"]
-LAST = ["Lovelace", "Turing", "Hopper", "Curie", "Bohr", "Noether", "Dirac", "Parks", "Gauss", "Meitner", "Planck", "Lamarr", "Godel", "Goodall", "Haddad", "Patel", "Zhang", "Tanaka", "Rossi", "Berg", "Novak", "Petrova", "Kaya", "Okafor", "Ruiz", "Sato", "Lund", "Chen", "Haddou", "Wilde", "Rao", "Lindqvist", "Aziz", "Moreau"]
-CITIES = ["Lisbon", "Oslo", "Kyoto", "Lima", "Nairobi", "Quebec", "Dublin", "Porto", "Tunis", "Hanoi", "Bergen", "Cusco", "Dakar", "Seville", "Tartu", "Zagreb", "Malmo", "Perth", "Leeds", "Graz", "Turin", "Bilbao", "Gdansk", "Quito", "Accra", "Riga", "Lyon", "Basel", "Cork", "Split"]
-COMPANIES = ["Acme", "Globex", "Initech", "Umbrella", "Vandelay", "Hooli", "Stark", "Wayne", "Tyrell", "Cyberdyne", "Soylent", "Wonka", "Aperture", "Massive", "Dynamic", "Oscorp", "Gringotts", "Monarch", "Nakatomi", "Virtucon"]
-COLORS = ["red", "blue", "green", "amber", "violet", "orange", "white", "black", "silver", "golden", "teal", "crimson", "indigo", "yellow"]
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"]
+FIRST = (
+    "Ada", "Alan", "Grace", "Linus", "Marie", "Niels", "Emmy", "Paul", "Rosa", "Carl", "Lise", "Max",
+    "Hedy", "Kurt", "Jane", "Omar", "Priya", "Wei", "Kenji", "Sofia", "Ingrid", "Tomas", "Elena", "Yusuf",
+    "Amara", "Diego", "Hana", "Lars", "Mei", "Nadia", "Oscar", "Ravi", "Sara", "Tariq", "Vera",
+)
+LAST = (
+    "Lovelace", "Turing", "Hopper", "Curie", "Bohr", "Noether", "Dirac", "Parks", "Gauss", "Meitner",
+    "Planck", "Lamarr", "Godel", "Goodall", "Haddad", "Patel", "Zhang", "Tanaka", "Rossi", "Berg", "Novak",
+    "Petrova", "Kaya", "Okafor", "Ruiz", "Sato", "Lund", "Chen", "Haddou", "Wilde", "Rao", "Lindqvist",
+    "Aziz", "Moreau",
+)
+CITIES = (
+    "Lisbon", "Oslo", "Kyoto", "Lima", "Nairobi", "Quebec", "Dublin", "Porto", "Tunis", "Hanoi", "Bergen",
+    "Cusco", "Dakar", "Seville", "Tartu", "Zagreb", "Malmo", "Perth", "Leeds", "Graz", "Turin", "Bilbao",
+    "Gdansk", "Quito", "Accra", "Riga", "Lyon", "Basel", "Cork", "Split",
+)
+COMPANIES = (
+    "Acme", "Globex", "Initech", "Umbrella", "Vandelay", "Hooli", "Stark", "Wayne", "Tyrell", "Cyberdyne",
+    "Soylent", "Wonka", "Aperture", "Massive", "Dynamic", "Oscorp", "Gringotts", "Monarch", "Nakatomi",
+    "Virtucon",
+)
+COLORS = (
+    "red", "blue", "green", "amber", "violet", "orange", "white", "black", "silver", "golden", "teal",
+    "crimson", "indigo", "yellow",
+)
+MONTHS = (
+    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+    "November", "December",
+)
 
 FACT_TEMPLATES = (
     "The {attr} for the {ent} is {val}.",
@@ -59,13 +93,40 @@ QUESTION_TEMPLATES = (
     "Which {attr} does the document give for the {ent}?",
     "Please look up the {attr} for the {ent}.",
 )
+# Trailing words vary the distance between the question and the answer, so that copying the key
+# from the question has to match content (an induction head, the same one retrieval needs).
+QUESTION_TAILS = (
+    "", "", "", " Thanks.", " Please answer briefly.", " I need it for the weekly report, so please check.",
+    " Quote the document.", " Be exact.", " My colleague asked me about it this morning and I forgot.",
+)
 ANSWER_TEMPLATE = "The {attr} for the {ent} is {val}."
 
 # Filler prose: a small grammar, so that documents of any length are cheap to make.
-SUBJECTS = ["The committee", "The old ferry", "A quiet engineer", "The river", "Our neighbour", "The morning train", "The council", "A young painter", "The weather", "The museum guide", "The baker", "The city", "A tired courier", "The garden", "The orchestra", "Every visitor", "The new intern", "The market", "A curious child", "The lighthouse keeper", "The team", "The report", "The storm", "The harbour master", "Most of the staff", "The small cafe", "The professor"]
-VERBS = ["walked past", "talked about", "looked at", "repaired", "painted", "ignored", "visited", "described", "measured", "cleaned", "remembered", "forgot about", "waited near", "argued about", "photographed", "counted", "studied", "moved", "praised", "complained about", "returned to", "wrote about", "listened to", "organised", "watched"]
-OBJECTS = ["the wooden fence", "the long hallway", "a stack of letters", "the northern hills", "the broken clock", "a basket of apples", "the narrow street", "the evening news", "a faded map", "the empty platform", "the new roof", "an old song", "the village square", "a pile of books", "the quiet lake", "the spring festival", "the red door", "a box of tools", "the winter coats", "the green fields", "the stone wall", "the last bus", "a cup of tea"]
-TAILS = ["", "", "", " before lunch", " after the rain", " on Tuesday", " for a while", " without a word", " in the afternoon", " with great care", " once again", " as usual", " at dawn", " late at night", " during the break", " for the third time", " near the station", " with some friends", " in silence"]
+SUBJECTS = (
+    "The committee", "The old ferry", "A quiet engineer", "The river", "Our neighbour", "The morning train",
+    "The council", "A young painter", "The weather", "The museum guide", "The baker", "The city",
+    "A tired courier", "The garden", "The orchestra", "Every visitor", "The new intern", "The market",
+    "A curious child", "The lighthouse keeper", "The team", "The report", "The storm", "The harbour master",
+    "Most of the staff", "The small cafe", "The professor",
+)
+VERBS = (
+    "walked past", "talked about", "looked at", "repaired", "painted", "ignored", "visited", "described",
+    "measured", "cleaned", "remembered", "forgot about", "waited near", "argued about", "photographed",
+    "counted", "studied", "moved", "praised", "complained about", "returned to", "wrote about",
+    "listened to", "organised", "watched",
+)
+OBJECTS = (
+    "the wooden fence", "the long hallway", "a stack of letters", "the northern hills", "the broken clock",
+    "a basket of apples", "the narrow street", "the evening news", "a faded map", "the empty platform",
+    "the new roof", "an old song", "the village square", "a pile of books", "the quiet lake",
+    "the spring festival", "the red door", "a box of tools", "the winter coats", "the green fields",
+    "the stone wall", "the last bus", "a cup of tea",
+)
+TAILS = (
+    "", "", "", " before lunch", " after the rain", " on Tuesday", " for a while", " without a word",
+    " in the afternoon", " with great care", " once again", " as usual", " at dawn", " late at night",
+    " during the break", " for the third time", " near the station", " with some friends", " in silence",
+)
 EXTRA = (
     "Nobody was in a hurry that day.",
     "It was a long and uneventful week.",
@@ -207,12 +268,15 @@ def make_example(
     for q in range(n_questions):
         if rng.random() < p_absent:
             ent, attr = _absent_key(rng, facts, keys)
-            turns.append((rng.choice(QUESTION_TEMPLATES).format(attr=attr, ent=ent), NOT_FOUND))
+            turns.append((_question(rng, attr, ent), NOT_FOUND))
         else:
             fact = asked[q % len(asked)]
-            turns.append((rng.choice(QUESTION_TEMPLATES).format(attr=fact.attribute, ent=fact.entity),
-                          fact.sentence()))
+            turns.append((_question(rng, fact.attribute, fact.entity), fact.sentence()))
     return Example(f"notes-{rng.randint(1, 999)}.txt", text, turns, facts, pos)
+
+
+def _question(rng: random.Random, attr: str, ent: str) -> str:
+    return rng.choice(QUESTION_TEMPLATES).format(attr=attr, ent=ent) + rng.choice(QUESTION_TAILS)
 
 
 def _absent_key(rng: random.Random, facts: list[Fact], keys: set[tuple[str, str]]) -> tuple[str, str]:

@@ -40,6 +40,39 @@ def mlx_generate_fn(model_path: str | Path, max_tokens: int = 48) -> GenerateFn:
     return fn
 
 
+def answer_questions(model_path: str | Path, doc_name: str, doc_text: str, questions: Sequence[str],
+                     max_tokens: int = 48) -> list[str]:
+    """Greedy answers (mlx-lm, one process) to several questions about one document.
+
+    The document is prefilled once and its KV cache copied for each question,
+    which keeps the shipped-model test fast.
+    """
+    import copy
+
+    import mlx.core as mx
+    from mlx_lm import generate, load
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = load(str(model_path))
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": render_user_turn(doc_name, doc_text, q)}],
+                                      add_generation_prompt=True)
+        for q in questions
+    ]
+    common = 0
+    while all(len(p) > common + 1 and p[common] == prompts[0][common] for p in prompts):
+        common += 1
+    base = make_prompt_cache(model)
+    mx.eval(model(mx.array([prompts[0][:common]]), cache=base))
+    sampler = make_sampler(temp=0.0)
+    return [
+        generate(model, tokenizer, p[common:], max_tokens=max_tokens, sampler=sampler, verbose=False,
+                 prompt_cache=copy.deepcopy(base)).strip()
+        for p in prompts
+    ]
+
+
 def evaluate(
     generate_fn: GenerateFn,
     lengths: Sequence[int],
@@ -103,7 +136,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--ask-doc", type=Path, help="instead: answer --question(s) about this file, print JSON")
+    ap.add_argument("--question", action="append", default=[])
     args = ap.parse_args(argv)
+    if args.ask_doc:
+        doc = args.ask_doc
+        print(json.dumps(answer_questions(args.model, doc.name, doc.read_text(), args.question)))
+        return
     fn = mlx_generate_fn(args.model)
     rows = evaluate(fn, [int(x) for x in args.lengths.split(",")], args.positions.split(","), args.n,
                     args.seed, log=(lambda s: print(s, flush=True)) if args.verbose else None)
@@ -115,4 +154,4 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
 
-__all__ = ["NOT_FOUND", "GenerateFn", "evaluate", "format_table", "mlx_generate_fn"]
+__all__ = ["NOT_FOUND", "GenerateFn", "answer_questions", "evaluate", "format_table", "mlx_generate_fn"]

@@ -21,6 +21,7 @@ import json
 import math
 import random
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -119,8 +120,8 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
         for name, p in self.named_parameters():
             if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * cfg["num_hidden_layers"]) if name.endswith(("o_proj.weight",
-                                                                                        "down_proj.weight")) else 0.02
+                residual_out = name.endswith(("o_proj.weight", "down_proj.weight"))
+                std = 0.02 / math.sqrt(2 * cfg["num_hidden_layers"]) if residual_out else 0.02
                 nn.init.normal_(p, std=std)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -184,14 +185,14 @@ class Encoder:
 
 
 def make_batch(rng: random.Random, enc: Encoder, n_tokens: int, max_len: int, pos_span: int,
-               p_pose: float, tok_per_sentence: float):
+               p_pose: float, tok_per_sentence: float, max_questions: int = 4):
     """A batch of examples of similar length, about `n_tokens` tokens in all."""
     target = int(math.exp(rng.uniform(math.log(96), math.log(max_len))))
     bsz = max(1, n_tokens // target)
     seqs = []
     for _ in range(bsz):
         n_filler = max(1, int(rng.uniform(0.7, 1.0) * target / tok_per_sentence) - 8)
-        ex = make_example(rng, n_filler, n_questions=rng.choice((1, 2, 3, 4)))
+        ex = make_example(rng, n_filler, n_questions=rng.randint(1, max_questions))
         ids, mask, gaps = enc.encode(ex)
         ids, mask = ids[:max_len], mask[:max_len]
         pos = np.arange(len(ids))
@@ -268,14 +269,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bf16", type=int, default=1, help="bfloat16 autocast (2x faster on the CPU)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--save-every", type=int, default=250)
+    ap.add_argument("--init", type=Path, help="continue from this saved model directory (weights, tokenizer)")
+    ap.add_argument("--start-step", type=int, default=0, help="with --init: the step it was saved at")
+    ap.add_argument("--adaptive-cap", type=int, default=0,
+                    help="adaptive curriculum from this longest length, x1.25 whenever batches are solved")
+    ap.add_argument("--max-questions", type=int, default=4, help="questions per document, 1 to this")
+    ap.add_argument("--stop-after", type=int, default=0, help="save and stop after this step (same schedule)")
     ap.add_argument("--time-steps", type=int, default=0, help="only time this many steps, then exit")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
-    tok_dir = args.out.with_name(args.out.name + ".tok")
-    vocab = train_tokenizer(tok_dir, args.vocab, tokenizer_corpus(args.seed), individual_digits=True)
+    rng = random.Random(args.seed if not args.init else f"{args.seed}-{args.start_step}")
+    tok_dir = Path(tempfile.mkdtemp(prefix="cpchat-demo-tokenizer-"))  # copied into every checkpoint
+    if args.init:
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(args.init / name, tok_dir / name)
+        vocab = json.loads((args.init / "config.json").read_text())["vocab_size"]
+    else:
+        vocab = train_tokenizer(tok_dir, args.vocab, tokenizer_corpus(args.seed), individual_digits=True)
     enc = Encoder(tok_dir / "tokenizer.json")
     check_rng = random.Random(args.seed + 1)
     lengths = []
@@ -290,6 +303,12 @@ def main(argv: list[str] | None = None) -> None:
                        rope_theta=args.rope_theta)
     cfg["eos_token_id"] = vocab_size_index(tok_dir, EOS_TOKEN)
     model = Llama(cfg)
+    if args.init:
+        import mlx.core as mx
+
+        weights = mx.load(str(args.init / "model.safetensors"))
+        model.load_state_dict({k: torch.tensor(np.array(v)) for k, v in weights.items()})
+        print(f"continuing from {args.init} at step {args.start_step}", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{n_params / 1e6:.2f}M parameters", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
@@ -298,16 +317,23 @@ def main(argv: list[str] | None = None) -> None:
     def lr_at(step: int) -> float:
         if step < warmup:
             return args.lr * (step + 1) / warmup
-        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (args.steps - warmup))))
+        if args.init and step < args.start_step + 30:  # fresh optimizer state: a short re-warmup
+            return lr_at(args.start_step + 30) * (step - args.start_step + 1) / 30
+        progress = (step - warmup) / (args.steps - warmup)
+        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
     t0 = time.time()
     hist_loss: list[float] = []
     hist_em: list[float] = []
-    for step in range(args.steps):
-        # curriculum: the longest sequence grows from 192 tokens to max_len over the first 40% of steps
-        cap = int(min(args.max_len, 192 + (args.max_len - 192) * step / (0.4 * args.steps)))
+    cap = args.adaptive_cap
+    for step in range(args.start_step, args.steps):
+        if not args.adaptive_cap:
+            # curriculum: the longest sequence grows from 192 tokens to max_len over the first 40% of steps
+            cap = int(min(args.max_len, 192 + (args.max_len - 192) * step / (0.4 * args.steps)))
+        elif (step - args.start_step) % 25 == 0 and len(hist_em) >= 25 and np.mean(hist_em[-25:]) >= 0.5:
+            cap = min(args.max_len, int(cap * 1.25))  # adaptive: grow only once the current length is solved
         ids, mask, pos = make_batch(rng, enc, args.batch_tokens, cap, args.pos_span, args.p_pose,
-                                    tok_per_sentence)
+                                    tok_per_sentence, args.max_questions)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args.bf16)):
@@ -318,18 +344,21 @@ def main(argv: list[str] | None = None) -> None:
         opt.step()
         hist_loss.append(loss.item())
         hist_em.append(em.mean().item())
-        if args.time_steps and step + 1 >= args.time_steps:
-            print(f"{(time.time() - t0) / (step + 1):.3f} s/step at cap {cap}", flush=True)
+        if args.time_steps and step + 1 - args.start_step >= args.time_steps:
+            print(f"{(time.time() - t0) / (step + 1 - args.start_step):.3f} s/step at cap {cap}", flush=True)
             return
         if (step + 1) % 25 == 0:
             print(f"step {step + 1} cap {cap} loss {np.mean(hist_loss[-25:]):.4f} "
                   f"em {np.mean(hist_em[-25:]):.3f} lr {lr_at(step):.2e} {time.time() - t0:.0f}s", flush=True)
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+        last = step + 1 == args.steps or step + 1 == args.stop_after
+        if (step + 1) % args.save_every == 0 or last:
             meta = {"args": {k: str(v) for k, v in vars(args).items()}, "step": step + 1,
                     "seconds": round(time.time() - t0), "parameters": n_params,
                     "train_em_last100": float(np.mean(hist_em[-100:]))}
             save(model, tok_dir, args.out, meta)
             print(f"saved {args.out} at step {step + 1}", flush=True)
+        if last:
+            break
     print(f"done in {time.time() - t0:.0f}s", flush=True)
 
 
