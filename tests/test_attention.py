@@ -35,6 +35,14 @@ def problems(draw):
     return kv_heads, groups, lq, lk, d, cuts, magnitude, seed, tile
 
 
+def random_qkv(kv_heads, groups, lq, lk, d, seed, dtype):
+    kq, kk, kv = mx.random.split(mx.random.key(seed), 3)
+    q = mx.random.normal((1, kv_heads * groups, lq, d), key=kq)
+    k = mx.random.normal((1, kv_heads, lk, d), key=kk)
+    v = mx.random.normal((1, kv_heads, lk, d), key=kv)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
 def run_blocks(q, k, v, scale, cuts, seed, tile):
     """Shuffle key positions, cut into blocks, attend per block, merge."""
     lq, lk = q.shape[2], k.shape[2]
@@ -52,11 +60,7 @@ def run_blocks(q, k, v, scale, cuts, seed, tile):
 @given(problems())
 def test_merged_blocks_equal_fused_attention_float32(problem):
     kv_heads, groups, lq, lk, d, cuts, magnitude, seed, tile = problem
-    key = mx.random.key(seed)
-    kq, kk, kv = mx.random.split(key, 3)
-    q = mx.random.normal((1, kv_heads * groups, lq, d), key=kq)
-    k = mx.random.normal((1, kv_heads, lk, d), key=kk)
-    v = mx.random.normal((1, kv_heads, lk, d), key=kv)
+    q, k, v = random_qkv(kv_heads, groups, lq, lk, d, seed, mx.float32)
     scale = magnitude / d  # |scores| reach ~magnitude
     out, lse = run_blocks(q, k, v, scale, cuts, seed, tile)
     expected = reference(q, k, v, scale)
@@ -70,11 +74,7 @@ def test_merged_blocks_equal_fused_attention_float32(problem):
 @given(problems())
 def test_merged_blocks_in_bfloat16(problem):
     kv_heads, groups, lq, lk, d, cuts, magnitude, seed, tile = problem
-    key = mx.random.key(seed)
-    kq, kk, kv = mx.random.split(key, 3)
-    q = mx.random.normal((1, kv_heads * groups, lq, d), key=kq).astype(mx.bfloat16)
-    k = mx.random.normal((1, kv_heads, lk, d), key=kk).astype(mx.bfloat16)
-    v = mx.random.normal((1, kv_heads, lk, d), key=kv).astype(mx.bfloat16)
+    q, k, v = random_qkv(kv_heads, groups, lq, lk, d, seed, mx.bfloat16)
     scale = min(magnitude, 30.0) / d
     out, _ = run_blocks(q, k, v, scale, cuts, seed, tile)
     expected = reference(q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), scale)

@@ -60,23 +60,8 @@ def events(stdout: str) -> list[dict]:
 def test_json_events_match_mlx_lm(model_dir):
     path = model_dir("llama")
     prompt = "The quick brown fox jumps over the lazy dog."
-    result = run(
-        [
-            "--headless",
-            "--json",
-            "--raw",
-            "--temp",
-            "0",
-            "--max-tokens",
-            "6",
-            "--model",
-            str(path),
-            "--ranks",
-            "2",
-            "--prompt",
-            prompt,
-        ]
-    )
+    args = f"--headless --json --raw --temp 0 --max-tokens 6 --model {path} --ranks 2".split()
+    result = run(args + ["--prompt", prompt])
     assert result.returncode == 0, result.stderr
     evs = events(result.stdout)
     assert [e["event"] for e in evs] == ["ready", "prefill"] + ["token"] * (len(evs) - 3) + ["done"]
@@ -101,24 +86,8 @@ def test_plain_output_and_stdin_turns_share_one_conversation(model_dir):
     """Three raw stdin turns equal one single-process run over the whole history."""
     path = model_dir("qwen2")
     turns = ["first turn text", "second one", "and the third"]
-    result = run(
-        [
-            "--headless",
-            "--json",
-            "--raw",
-            "--temp",
-            "0",
-            "--max-tokens",
-            "4",
-            "--model",
-            str(path),
-            "--ranks",
-            "3",
-            "--algorithm",
-            "pass_q",
-        ],
-        stdin="\n".join(turns) + "\n",
-    )
+    args = f"--headless --json --raw --temp 0 --max-tokens 4 --model {path} --ranks 3 --algorithm pass_q"
+    result = run(args.split(), stdin="\n".join(turns) + "\n")
     assert result.returncode == 0, result.stderr
     evs = events(result.stdout)
     _, tokenizer = reference_model(path)
@@ -131,22 +100,8 @@ def test_plain_output_and_stdin_turns_share_one_conversation(model_dir):
         assert prefill["cached_tokens"] == (0 if turn == 0 else len(history) - prefill["new_tokens"])
         history += got
 
-    plain = run(
-        [
-            "--headless",
-            "--raw",
-            "--temp",
-            "0",
-            "--max-tokens",
-            "4",
-            "--model",
-            str(path),
-            "--ranks",
-            "1",
-            "--prompt",
-            turns[0],
-        ]
-    )
+    args = f"--headless --raw --temp 0 --max-tokens 4 --model {path} --ranks 1".split()
+    plain = run(args + ["--prompt", turns[0]])
     first = [e for e in evs if e["event"] == "token" and e["turn"] == 0]
     assert plain.returncode == 0
     assert plain.stdout == "".join(e["text"] for e in first) + "\n"

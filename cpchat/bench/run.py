@@ -238,7 +238,7 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, fast_blas: bool) -
                         row.kv_bytes_per_rank = max(r.kv_bytes for r in event.ranks)
                 stats = snapshot(cluster)
                 row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, max(s.mlx_peak_bytes for s in stats))
-            if n > 1:
+            if n > 1 and not args.no_overlap:
                 row.hidden_share = hidden_share(cluster, ids, args, bandwidth)
             rows.append(row)
             report_progress(row)
