@@ -71,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-baseline", action="store_true", help="skip mlx-lm (e.g. for contexts it cannot hold)"
     )
+    p.add_argument(
+        "--no-overlap", action="store_true", help="skip the extra pass-KV prefill that measures overlap"
+    )
     p.add_argument("--out", default=str(REPO_ASSETS / "bench"), help="where results.md/.json/.png go")
     p.add_argument(
         "--attention",
