@@ -165,6 +165,7 @@ class Session:
         detok = self.tokenizer.detokenizer
         detok.reset()
         generated: list[int] = []
+        shown: list[str] = []
         t_start = time.perf_counter()
         t_first = t_last = None
         done = None
@@ -183,15 +184,16 @@ class Session:
                 t_first = t_first or t_last
                 generated.append(event.token.id)
                 detok.add_token(event.token.id)
-                yield Token(turn, event.token.id, detok.last_segment, event.token.logprob)
+                segment = detok.last_segment
+                shown.append(segment)
+                yield Token(turn, event.token.id, segment, event.token.logprob)
             elif which == "done":
                 done = event.done
-        detok.finalize()
         self.held = (full + generated)[: done.cached_tokens]
         if self.raw:
             self.raw_history = full + generated
-        answer = detok.text
-        self.messages.append(Message("assistant", answer))
+        # The answer is exactly what was streamed; bytes of an unfinished character at the end are dropped.
+        self.messages.append(Message("assistant", "".join(shown)))
         self.turn_index += 1
         ttft = 1000 * ((t_first or time.perf_counter()) - t_start)
         rate = (len(generated) - 1) / (t_last - t_first) if len(generated) > 1 and t_last > t_first else 0.0
