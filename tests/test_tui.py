@@ -110,8 +110,12 @@ async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
         assert answer.source == app.entries[-1].text
         rows = list(app.query(RankRow))
         assert len(rows) == RANKS
-        await until(pilot, lambda: all(r.stats.kv_tokens > 0 for r in rows), what="KV on every rank")
-        assert all(r.stats.kv_bytes > 0 and r.stats.state in ("ready", "idle") for r in rows)
+        await until(
+            pilot,
+            lambda: all(r.stats.kv_tokens > 0 and r.stats.state in ("ready", "idle") for r in rows),
+            what="every rank idle again with KV",
+        )
+        assert all(r.stats.kv_bytes > 0 for r in rows)
         assert {r.stats.address for r in rows} == {h.address for h in app.cluster.ranks}
         assert app.query_one(BigText).text in ("pass_kv", "pass_q")
         assert app.session.last_choice.algorithm == app.query_one(BigText).text
