@@ -292,15 +292,33 @@ class Cluster:
                        for r, s in zip(self.ranks, streams, strict=True)]
             threading.Thread(target=self._monitor, args=(watch, finished, events), daemon=True).start()
             remaining = len(self.ranks)
+            # Rank 0 reports its prefill (and first token) as soon as *it* is done; hold them until
+            # every rank is, so prefill time and decode rate describe the whole ring.
+            held: list[pb.GenerateEvent] | None = None
+            prefilled: dict[int, float] = {}
             while remaining:
                 kind, payload = events.get()
                 if kind == "end":
                     remaining -= 1
                 elif kind == "event":
-                    yield payload
+                    if payload.WhichOneof("event") == "prefill":
+                        held = [payload]
+                    elif held is not None:
+                        held.append(payload)
+                    else:
+                        yield payload
+                elif kind == "prefilled":
+                    rank, ms = payload
+                    prefilled[rank] = ms
                 elif watch.failure is None:
                     watch.failure = payload if kind == "failure" else self._blame(*payload, watch)
                     self._abort_all(streams)
+                if held is not None and len(prefilled) == len(self.ranks):
+                    held[0].prefill.ms = max(prefilled.values())
+                    yield from held
+                    held = None
+            if held is not None and watch.failure is None:  # a rank stopped short of prefill (cancel)
+                yield from held
             for f in readers:
                 f.result()
             if watch.failure:
@@ -320,6 +338,8 @@ class Cluster:
         try:
             for event in stream:
                 which = event.WhichOneof("event")
+                if which == "prefill":
+                    events.put(("prefilled", (r.rank, event.prefill.ms)))
                 if which == "done":
                     result.done = event.done
                 elif r.rank == 0:
