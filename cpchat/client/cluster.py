@@ -28,6 +28,8 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.use_local_subchannel_pool", 1),  # a new Cluster does not inherit an old one's backoff
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 

@@ -31,6 +31,9 @@ KEEPALIVE = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# A ring link is a fresh channel per ring: do not share (and wait out) the reconnect backoff of
+# an earlier channel to the same neighbour, e.g. one whose network link was down.
+RING_CHANNEL = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_reconnect_backoff_ms", 1000)]
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -118,7 +121,7 @@ class RankState:
         return abort is not None and abort.is_set() and self.busy.acquire(timeout=WIND_DOWN_S)
 
     def channel(self, address: str) -> grpc.Channel:
-        options = [("grpc.max_send_message_length", MAX_MESSAGE), *KEEPALIVE]
+        options = [("grpc.max_send_message_length", MAX_MESSAGE), *KEEPALIVE, *RING_CHANNEL]
         if self.tls_ca is not None:
             return grpc.secure_channel(address, grpc.ssl_channel_credentials(self.tls_ca), options)
         return grpc.insecure_channel(address, options)
