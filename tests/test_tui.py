@@ -308,8 +308,8 @@ async def test_dead_rank_turns_red_and_relaunch_continues(make_app, clusters):
             assert len(app.query(ChatMessage)) == 2, "the transcript stays"
             await pilot.press("ctrl+r")
             await until(pilot, lambda: not app.failed and app.own_cluster, timeout=90, what="relaunch")
-            rows = list(app.query(RankRow))
-            assert [r.stats.state for r in rows] == ["ready", "ready"]
+            await until(pilot, lambda: [r.stats.state for r in app.query(RankRow)] == ["ready", "ready"],
+                        what="exactly the new ring's two rows, ready")
             await send(pilot, "After the relaunch.")
             await until(pilot, lambda: all(r.stats.kv_tokens > 0 for r in app.query(RankRow)),
                         what="KV after re-prefill")

@@ -183,13 +183,13 @@ class CpchatApp(App[int]):
         for r in cluster.ranks:
             self.post_message(StatsArrived(RankStats(r.rank, r.address, state)))
 
-    def on_backend_ready(self, message: BackendReady) -> None:
+    async def on_backend_ready(self, message: BackendReady) -> None:
         self.model = message.model
         self.failed = False
         self._failed_ranks.clear()
         self.query_one(WorkBar).hide()
         panel = self.query_one(RanksPanel)
-        panel.set_ranks([RankStats(r.rank, r.address, "ready") for r in message.ranks])
+        await panel.set_ranks([RankStats(r.rank, r.address, "ready") for r in message.ranks])
         self.query_one(ThroughputPanel).context_max = message.model.max_context
         name = Path(message.model.name).name or message.model.name
         self.sub_title = f"{name} · {len(message.ranks)} ranks"

@@ -59,12 +59,11 @@ class RanksPanel(VerticalGroup):
         self.border_title = "Ranks"
         self.rows: dict[int, RankRow] = {}
 
-    def set_ranks(self, ranks: list[RankStats]) -> None:
-        """Start over with these rows (a new ring)."""
-        for row in self.rows.values():
-            row.remove()
+    async def set_ranks(self, ranks: list[RankStats]) -> None:
+        """Start over with these rows (a new ring); the old rows are gone when this returns."""
+        await self.remove_children()
         self.rows = {s.rank: RankRow(s) for s in ranks}
-        self.mount_all(self.rows.values())
+        await self.mount_all(self.rows.values())
         self._rescale()
 
     def update_stats(self, stats: RankStats) -> None:
