@@ -111,6 +111,16 @@ def test_ring_link_with_the_token_reaches_validation(secured, model_dir):
     assert_still_serves(secured, model_dir("llama"), seed=2)
 
 
+@pytest.mark.parametrize("raw", [b"\x0b", b"\x6a\x10short", b"\x0a\x02\xff\xfe", b"\xff" * 12])
+def test_bytes_that_are_no_frame_are_refused(secured, raw):
+    """The ring parses frames from raw bytes itself: garbage is a bad frame, not a crash."""
+    channel = secured.ranks[0].channel
+    link = channel.stream_unary("/cpchat.Ring/Link", response_deserializer=pb.LinkClosed.FromString)
+    details = refused(lambda: link(iter([raw]), timeout=5, metadata=AUTH), grpc.StatusCode.INVALID_ARGUMENT)
+    assert details.startswith("bad frame: ")
+    assert secured.ranks[0].control.Health(pb.HealthRequest(), timeout=5, metadata=AUTH).state == "ready"
+
+
 def test_oversized_message_is_refused(secured):
     ring = pb_grpc.RingStub(secured.ranks[0].channel)
     huge = link_frame(secured, shape=[5 << 20], data=bytes(20 << 20))

@@ -1,22 +1,24 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import wire
-from cpchat.rank.wire import BlockAssembler, BlockKey, FrameError, block_frames
+from cpchat.rank.wire import BlockAssembler, BlockKey, FrameError, block_frames, parse_frame
 
 KEY = BlockKey("req", 3, 1, pb.KV)
 
 
 def frames_of(tensors, source_rank=2):
-    return [pb.Frame.FromString(raw) for raw in block_frames("ring", KEY, source_rank, tensors)]
+    return [parse_frame(raw) for raw in block_frames("ring", KEY, source_rank, tensors)]
 
 
 def roundtrip(tensors):
     frames = frames_of(tensors)
-    assembler = BlockAssembler(frames[0])
-    results = [assembler.add(f) for f in frames]
+    assembler = BlockAssembler(frames[0][0])
+    results = [assembler.add(f, data) for f, data in frames]
     assert all(r is None for r in results[:-1])
     return frames, results[-1]
 
@@ -35,21 +37,23 @@ def test_large_blocks_split_into_bounded_frames(monkeypatch):
     v = k[..., ::2]  # non-contiguous slice
     positions = mx.arange(750, dtype=mx.int32)
     frames, out = roundtrip([k, v, positions, mx.zeros((0,), mx.int32)])
-    assert max(len(f.data) for f in frames) <= 1000
+    assert max(len(data) for _, data in frames) <= 1000
     assert len(frames) == 12 + 6 + 3 + 1
     assert all(mx.array_equal(a, b).item() for a, b in zip([k, v, positions], out[:3], strict=True))
     assert out[3].shape == (0,)
 
 
 def frame(**overrides):
-    f = frames_of([mx.zeros((2, 2), mx.float32)], source_rank=0)[0]
+    """A one-tensor frame with some header fields changed, as (header, data) off the wire."""
+    f, data = frames_of([mx.zeros((2, 2), mx.float32)], source_rank=0)[0]
+    f.data = bytes(data)
     for name, value in overrides.items():
         if name == "shape":
             del f.shape[:]
             f.shape.extend(value)
         else:
             setattr(f, name, value)
-    return f
+    return parse_frame(f.SerializeToString())
 
 
 @pytest.mark.parametrize(
@@ -66,15 +70,50 @@ def frame(**overrides):
 )
 def test_malformed_frames_are_refused(overrides, message):
     with pytest.raises(FrameError, match=message):
-        f = frame(**overrides)
-        BlockAssembler(f).add(f)
+        f, data = frame(**overrides)
+        BlockAssembler(f).add(f, data)
 
 
 def test_duplicate_chunk_is_refused():
-    f = frame()
-    assembler = BlockAssembler(frame(tensor_count=2))
-    g = frame(tensor_count=2)
-    assembler.add(g)
+    f, data = frame()
+    assembler = BlockAssembler(frame(tensor_count=2)[0])
+    g, g_data = frame(tensor_count=2)
+    assembler.add(g, g_data)
     with pytest.raises(FrameError, match="twice"):
-        assembler.add(g)
-    assert f.dtype == "float32" and np.frombuffer(f.data, np.float32).size == 4
+        assembler.add(g, g_data)
+    assert f.dtype == "float32" and np.frombuffer(data, np.float32).size == 4
+
+
+def test_parse_frame_takes_fields_in_any_order():
+    header = pb.Frame(ring_id="r", request_id="q", layer=2, kind=pb.KV, tensor_count=1, chunk_count=1,
+                      dtype="int32", shape=[3])
+    data = np.arange(3, dtype="<i4").tobytes()
+    # data first, then the header: valid protobuf, though block_frames never writes it so
+    raw = pb.Frame(data=data).SerializeToString() + header.SerializeToString()
+    parsed, view = parse_frame(raw)
+    assert bytes(view) == data and parsed == header
+    full = pb.Frame.FromString(raw)
+    assert full.data == data and parsed.request_id == full.request_id and not parsed.data
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (bytes([0x6A, 0x10]) + b"short", "past the end"),  # data claims 16 bytes, has 5
+        (bytes([0x0B]), "wire type 3"),  # a group
+        (bytes([0x18, 0x80]), "varint"),  # layer's varint never ends
+        (bytes([0x0A, 0x02, 0xFF, 0xFE]), "malformed frame header"),  # ring_id not UTF-8
+    ],
+)
+def test_parse_frame_refuses_broken_bytes(raw, message):
+    with pytest.raises(FrameError, match=message):
+        parse_frame(raw)
+
+
+@given(st.binary(max_size=64))
+def test_parse_frame_raises_only_frame_errors(raw):
+    try:
+        header, data = parse_frame(raw)
+    except FrameError:
+        return
+    assert len(data) <= len(raw) and isinstance(header, pb.Frame)

@@ -185,16 +185,27 @@ class Encoder:
 
 
 def make_batch(rng: random.Random, enc: Encoder, n_tokens: int, max_len: int, pos_span: int,
-               p_pose: float, tok_per_sentence: float, max_questions: int = 4):
+               p_pose: float, tok_per_sentence: float, max_questions: int = 4, max_facts: int = 6,
+               min_len: int = 96):
     """A batch of examples of similar length, about `n_tokens` tokens in all."""
-    target = int(math.exp(rng.uniform(math.log(96), math.log(max_len))))
+    target = int(math.exp(rng.uniform(math.log(min(min_len, max_len)), math.log(max_len))))
     bsz = max(1, n_tokens // target)
     seqs = []
     for _ in range(bsz):
-        n_filler = max(1, int(rng.uniform(0.7, 1.0) * target / tok_per_sentence) - 8)
-        ex = make_example(rng, n_filler, n_questions=rng.randint(1, max_questions))
-        ids, mask, gaps = enc.encode(ex)
-        ids, mask = ids[:max_len], mask[:max_len]
+        n_facts = rng.randint(1, max_facts)
+        while True:
+            # the document holds the facts too: size the filler so that at least the first answer fits
+            n_filler = max(1, int(rng.uniform(0.7, 1.0) * target / tok_per_sentence) - 8 - n_facts)
+            ex = make_example(rng, n_filler, n_facts=n_facts, n_questions=rng.randint(1, max_questions))
+            ids, mask, gaps = enc.encode(ex)
+            ends = [i + 1 for i in range(min(len(ids), max_len))
+                    if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
+            if ends or n_facts == 1:
+                break
+            n_facts = max(1, n_facts // 2)
+        # keep whole answers only (a cut answer would count as unsolved in the exact-match figure)
+        cut = ends[-1] if ends else max_len
+        ids, mask = ids[:cut], mask[:cut]
         pos = np.arange(len(ids))
         if rng.random() < p_pose and gaps:
             extra = rng.randint(0, max(0, pos_span - len(ids)))
@@ -225,7 +236,7 @@ def loss_and_match(model: Llama, ids, mask, pos):
     nll = F.cross_entropy(logits.transpose(1, 2), tgt, reduction="none")
     loss = (nll * m).sum() / m.sum()
     wrong = ((logits.argmax(-1) != tgt).float() * m).sum(1)
-    return loss, (wrong == 0).float()
+    return loss, (wrong == 0).float()[m.sum(1) > 0]
 
 
 # ---------------------------------------------------------------- saving
@@ -274,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--adaptive-cap", type=int, default=0,
                     help="adaptive curriculum from this longest length, x1.25 whenever batches are solved")
     ap.add_argument("--max-questions", type=int, default=4, help="questions per document, 1 to this")
+    ap.add_argument("--max-facts", type=int, default=6, help="facts per document, 1 to this")
+    ap.add_argument("--min-len", type=int, default=96, help="shortest training sequence (tokens)")
     ap.add_argument("--stop-after", type=int, default=0, help="save and stop after this step (same schedule)")
     ap.add_argument("--time-steps", type=int, default=0, help="only time this many steps, then exit")
     args = ap.parse_args(argv)
@@ -333,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         elif (step - args.start_step) % 25 == 0 and len(hist_em) >= 25 and np.mean(hist_em[-25:]) >= 0.5:
             cap = min(args.max_len, int(cap * 1.25))  # adaptive: grow only once the current length is solved
         ids, mask, pos = make_batch(rng, enc, args.batch_tokens, cap, args.pos_span, args.p_pose,
-                                    tok_per_sentence, args.max_questions)
+                                    tok_per_sentence, args.max_questions, args.max_facts, args.min_len)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args.bf16)):
@@ -343,7 +356,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         hist_loss.append(loss.item())
-        hist_em.append(em.mean().item())
+        if em.numel():
+            hist_em.append(em.mean().item())
         if args.time_steps and step + 1 - args.start_step >= args.time_steps:
             print(f"{(time.time() - t0) / (step + 1 - args.start_step):.3f} s/step at cap {cap}", flush=True)
             return

@@ -83,7 +83,7 @@ class RingLink:
 class Mailbox:
     """Blocks from the previous rank, keyed by (request, layer, step, kind)."""
 
-    def __init__(self, validate: Callable[[pb.Frame], None]) -> None:
+    def __init__(self, validate: Callable[[pb.Frame, int], None]) -> None:
         self._validate = validate
         self._cond = threading.Condition()
         self._partial: dict[BlockKey, BlockAssembler] = {}
@@ -91,9 +91,9 @@ class Mailbox:
         self._dead: set[str] = set()
         self.error: str | None = None
 
-    def put(self, frame: pb.Frame) -> None:
-        """Add one frame; raises FrameError for a frame that does not fit."""
-        self._validate(frame)
+    def put(self, frame: pb.Frame, data: memoryview) -> None:
+        """Add one frame (header and data bytes); raises FrameError for a frame that does not fit."""
+        self._validate(frame, len(data))
         key = BlockKey(frame.request_id, frame.layer, frame.step, frame.kind)
         with self._cond:
             if frame.request_id in self._dead:
@@ -103,7 +103,7 @@ class Mailbox:
             assembler = self._partial.get(key)
             if assembler is None:
                 assembler = self._partial[key] = BlockAssembler(frame)
-            tensors = assembler.add(frame)
+            tensors = assembler.add(frame, data)
             if tensors is not None:
                 del self._partial[key]
                 self._done[key] = tensors

@@ -21,10 +21,10 @@ from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 from cpchat.rank.engine import BadRequest, Engine, UnsupportedModel
 from cpchat.rank.ring import Aborted, Mailbox, Ring, RingBroken, RingLink
-from cpchat.rank.wire import CHUNK_BYTES, DTYPES, MAX_BLOCK_BYTES, BlockKey, FrameError
+from cpchat.rank.wire import CHUNK_BYTES, DTYPES, MAX_BLOCK_BYTES, BlockKey, FrameError, parse_frame
 
 TOKEN_HEADER = "x-cpchat-token"
-MAX_MESSAGE = 16 << 20
+MAX_MESSAGE = CHUNK_BYTES + (64 << 10)  # one chunk and its header
 KEEPALIVE = [
     ("grpc.keepalive_time_ms", 1000),
     ("grpc.keepalive_timeout_ms", 2000),
@@ -129,7 +129,7 @@ class RankState:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((TOKEN_HEADER, self.token),) if self.token else ()
 
-    def validate_frame(self, f: pb.Frame) -> None:
+    def validate_frame(self, f: pb.Frame, data_bytes: int) -> None:
         """Refuse a frame whose header does not fit this ring, this model or the byte limits
         (before any of its bytes are kept)."""
         if self.ring is None or f.ring_id != self.ring_id:
@@ -154,8 +154,8 @@ class RankState:
         nbytes = math.prod(f.shape) * DTYPES[f.dtype][0].itemsize  # Python ints: no overflow
         if nbytes > MAX_BLOCK_BYTES:
             raise FrameError(f"tensor of {nbytes} bytes exceeds the {MAX_BLOCK_BYTES} byte limit")
-        if len(f.data) > CHUNK_BYTES:
-            raise FrameError(f"frame of {len(f.data)} bytes exceeds the {CHUNK_BYTES} byte chunk limit")
+        if data_bytes > CHUNK_BYTES:
+            raise FrameError(f"frame of {data_bytes} bytes exceeds the {CHUNK_BYTES} byte chunk limit")
 
     def prev_link_closed(self, ring_id: str) -> None:
         if self.ring is not None and ring_id == self.ring_id:
@@ -356,12 +356,13 @@ class RingServicer(pb_grpc.RingServicer):
         the ring's link: one that sent a bad frame is cut, and its end breaks nothing else."""
         ring_id = None
         try:
-            for frame in request_iterator:
+            for raw in request_iterator:
                 ring = self.s.ring
                 if ring is None:
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this rank is not part of a ring")
                 try:
-                    ring.mailbox.put(frame)
+                    frame, data = parse_frame(raw)
+                    ring.mailbox.put(frame, data)
                 except (FrameError, ValueError) as e:
                     ring_id = None
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad frame: {e}")
@@ -370,6 +371,15 @@ class RingServicer(pb_grpc.RingServicer):
             if ring_id is not None and not context.is_active():
                 self.s.prev_link_closed(ring_id)
         return pb.LinkClosed()
+
+
+def add_ring_servicer(servicer: RingServicer, server: grpc.Server) -> None:
+    """As the generated `add_RingServicer_to_server`, but frames reach `Link` as raw bytes
+    (`parse_frame` takes their data without the copies protobuf's parser makes)."""
+    link = grpc.stream_unary_rpc_method_handler(
+        servicer.Link, response_serializer=pb.LinkClosed.SerializeToString
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("cpchat.Ring", {"Link": link}),))
 
 
 class TokenCheck(grpc.ServerInterceptor):
@@ -416,7 +426,7 @@ def serve(
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=SERVER_OPTIONS,
                          interceptors=interceptors)
     pb_grpc.add_ControlServicer_to_server(ControlServicer(state, stop), server)
-    pb_grpc.add_RingServicer_to_server(RingServicer(state), server)
+    add_ring_servicer(RingServicer(state), server)
     address = f"{host}:{port}"
     if tls_cert and tls_key:
         bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))

@@ -16,7 +16,7 @@ import numpy as np
 
 from cpchat.protocol import cpchat_pb2 as pb
 
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 16 << 20
 MAX_TENSORS = 8
 MAX_BLOCK_BYTES = 8 << 30
 
@@ -66,6 +66,53 @@ def _varint(n: int) -> bytes:
 _DATA_TAG = bytes([(pb.Frame.DATA_FIELD_NUMBER << 3) | 2])  # field 13, length-delimited
 
 
+def _read_varint(raw: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(raw) or shift > 63:
+            raise FrameError("truncated or overlong varint in frame")
+        byte = raw[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def parse_frame(raw: bytes) -> tuple[pb.Frame, memoryview]:
+    """A serialized `Frame` split into its header (parsed by protobuf) and a view of its data
+    bytes, which are not copied. Fields may come in any order, as protobuf allows."""
+    view = memoryview(raw)
+    header: list[memoryview] = []
+    data = view[:0]
+    pos = 0
+    while pos < len(view):
+        start = pos
+        tag, pos = _read_varint(view, pos)
+        wire_type = tag & 7
+        if wire_type == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire_type == 2:
+            length, pos = _read_varint(view, pos)
+            if pos + length > len(view):
+                raise FrameError("frame field runs past the end of the message")
+            if tag >> 3 == pb.Frame.DATA_FIELD_NUMBER:
+                data = view[pos : pos + length]  # the last one wins, as in protobuf
+                pos += length
+                continue
+            pos += length
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+        else:
+            raise FrameError(f"frame field with wire type {wire_type}")
+        header.append(view[start:pos])
+    if pos != len(view):
+        raise FrameError("frame field runs past the end of the message")
+    try:
+        return pb.Frame.FromString(b"".join(header)), data
+    except Exception as e:  # protobuf's DecodeError
+        raise FrameError(f"malformed frame header: {e}") from None
+
+
 def block_frames(ring_id: str, key: BlockKey, source_rank: int, tensors: list[mx.array]) -> Iterator[bytes]:
     """Serialized `Frame` messages for one block; the arrays must already be evaluated.
 
@@ -101,8 +148,8 @@ def block_nbytes(tensors: list[mx.array]) -> int:
 class BlockAssembler:
     """Collects the frames of one block; `add` returns the tensors once complete.
 
-    Each tensor's bytes land in one preallocated buffer as its chunks arrive,
-    so a block costs one copy here and one into MLX.
+    A tensor sent in one chunk goes straight from the received bytes into MLX;
+    one cut into chunks is gathered in a preallocated buffer first.
     """
 
     def __init__(self, first: pb.Frame) -> None:
@@ -111,11 +158,12 @@ class BlockAssembler:
         self.source_rank = first.source_rank
         self.count = first.tensor_count
         self.headers: list[tuple[str, tuple[int, ...]] | None] = [None] * self.count
-        self.buffers: list[np.ndarray | None] = [None] * self.count
+        self.buffers: list[np.ndarray | memoryview | None] = [None] * self.count
         self.seen: list[set[int]] = [set() for _ in range(self.count)]
         self.missing = 0  # chunks still expected for the tensors whose first frame arrived
 
-    def add(self, f: pb.Frame) -> list[mx.array] | None:
+    def add(self, f: pb.Frame, data: memoryview) -> list[mx.array] | None:
+        """Add one frame: its parsed header and its data bytes (see `parse_frame`)."""
         if f.tensor_count != self.count or f.source_rank != self.source_rank:
             raise FrameError("frames of one block disagree on tensor_count or source_rank")
         if f.tensor_index >= self.count:
@@ -132,11 +180,10 @@ class BlockAssembler:
         i = f.tensor_index
         if self.headers[i] is None:
             self.headers[i] = (f.dtype, shape)
-            self.buffers[i] = np.empty(nbytes, dtype=np.uint8)
+            self.buffers[i] = np.empty(nbytes, dtype=np.uint8) if f.chunk_count > 1 else None
             self.missing += f.chunk_count
         elif self.headers[i] != (f.dtype, shape):
             raise FrameError(f"frames of tensor {i} disagree on dtype or shape")
-        data = f.data  # each access of a bytes field copies: read it once
         offset = f.chunk_index * CHUNK_BYTES
         want = min(CHUNK_BYTES, nbytes - offset)
         if len(data) != want:
@@ -144,7 +191,10 @@ class BlockAssembler:
         if f.chunk_index in self.seen[i]:
             raise FrameError(f"chunk {f.chunk_index} of tensor {i} arrived twice")
         self.seen[i].add(f.chunk_index)
-        self.buffers[i][offset : offset + want] = np.frombuffer(data, dtype=np.uint8)
+        if f.chunk_count == 1:
+            self.buffers[i] = data
+        else:
+            self.buffers[i][offset : offset + want] = np.frombuffer(data, dtype=np.uint8)
         self.missing -= 1
         if self.missing or any(h is None for h in self.headers):
             return None
@@ -153,6 +203,6 @@ class BlockAssembler:
     def _tensor(self, i: int) -> mx.array:
         dtype, shape = self.headers[i]
         storage, mlx_dtype = DTYPES[dtype]
-        a = mx.array(self.buffers[i].view(storage).reshape(shape))
+        a = mx.array(np.frombuffer(self.buffers[i], dtype=storage).reshape(shape))
         self.buffers[i] = None
         return a.view(mlx_dtype) if dtype == "bfloat16" else a
