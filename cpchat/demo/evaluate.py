@@ -1,10 +1,12 @@
 """Evaluate the demo model: exact-match accuracy by context length and fact position.
 
     python -m cpchat.demo.evaluate --model assets/demo-model --lengths 1024,2048,4096 --n 20
+    python -m cpchat.demo.evaluate --ranks 1,4 ...   # the same, through cpchat's ring
 
-The generation function is pluggable (`evaluate(generate_fn, ...)`): by
-default it is mlx-lm in this process with greedy decoding; the same table can
-be made through N context-parallel ranks by passing another function.
+The generation function is pluggable (`evaluate(generate_fn, ...)`): mlx-lm in
+this process, or cpchat's client driving N context-parallel rank processes.
+With several rank counts the examples are the same for each, and the answers
+are compared one by one.
 """
 
 from __future__ import annotations
@@ -38,6 +40,29 @@ def mlx_generate_fn(model_path: str | Path, max_tokens: int = 48) -> GenerateFn:
         return generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler, verbose=False)
 
     return fn
+
+
+def ring_generate_fn(model_path: str | Path, ranks: int, max_tokens: int = 48) -> tuple[GenerateFn, Callable]:
+    """Greedy generation through `ranks` local rank processes; returns (fn, close)."""
+    from cpchat.client.cluster import Cluster
+    from cpchat.client.events import Token
+    from cpchat.client.session import SamplingOptions, Session, load_tokenizer
+
+    cluster = Cluster.launch(ranks)
+    try:
+        cluster.connect()
+        cluster.load(str(model_path))
+    except BaseException:
+        cluster.close()
+        raise
+    session = Session(cluster, load_tokenizer(str(model_path)), sampling=SamplingOptions(max_tokens, 0.0))
+
+    def fn(doc_name: str, doc_text: str, question: str) -> str:
+        session.reset()
+        events = session.send(render_user_turn(doc_name, doc_text, question))
+        return "".join(e.text for e in events if isinstance(e, Token))
+
+    return fn, cluster.close
 
 
 def answer_questions(model_path: str | Path, doc_name: str, doc_text: str, questions: Sequence[str],
@@ -94,6 +119,7 @@ def evaluate(
             rng = random.Random(f"{seed}-{length}-{position}")
             n_filler = max(1, round(length / tokens_per_sentence) - 8)
             correct = 0
+            answers = []
             t0 = time.time()
             for _ in range(n_per_cell):
                 absent = position == "absent"
@@ -101,14 +127,15 @@ def evaluate(
                                   p_absent=1.0 if absent else 0.0)
                 question, answer = ex.turns[0]
                 got = generate_fn(ex.doc_name, ex.doc_text, question).strip()
+                answers.append(got)
                 correct += got == answer
                 if log and got != answer:
                     log(f"  miss len={length} pos={position}: want {answer!r} got {got!r}")
             row = {"length": length, "position": position, "n": n_per_cell, "correct": correct,
                    "accuracy": correct / n_per_cell, "seconds": round(time.time() - t0, 1)}
-            rows.append(row)
             if log:
                 log(json.dumps(row))
+            rows.append(row | {"answers": answers})
     return rows
 
 
@@ -135,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=20, help="examples per (length, position) cell")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--ranks", help="comma-separated rank counts: answer through cpchat's ring, not mlx-lm")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--ask-doc", type=Path, help="instead: answer --question(s) about this file, print JSON")
     ap.add_argument("--question", action="append", default=[])
@@ -143,12 +171,27 @@ def main(argv: list[str] | None = None) -> None:
         doc = args.ask_doc
         print(json.dumps(answer_questions(args.model, doc.name, doc.read_text(), args.question)))
         return
-    fn = mlx_generate_fn(args.model)
-    rows = evaluate(fn, [int(x) for x in args.lengths.split(",")], args.positions.split(","), args.n,
-                    args.seed, log=(lambda s: print(s, flush=True)) if args.verbose else None)
-    print(format_table(rows))
+    lengths, positions = [int(x) for x in args.lengths.split(",")], args.positions.split(",")
+    log = (lambda s: print(s, flush=True)) if args.verbose else None
+    tables: dict[str, list[dict]] = {}
+    for ranks in args.ranks.split(",") if args.ranks else [None]:
+        if ranks is None:
+            label, fn, close = "mlx-lm", mlx_generate_fn(args.model), None
+        else:
+            label = f"{ranks} rank" + "s" * (ranks != "1")
+            fn, close = ring_generate_fn(args.model, int(ranks))
+        try:
+            tables[label] = evaluate(fn, lengths, positions, args.n, args.seed, log=log)
+        finally:
+            if close:
+                close()
+        print(f"### {label}\n\n{format_table(tables[label])}\n", flush=True)
+    if len(tables) > 1:
+        answers = [[a for row in rows for a in row["answers"]] for rows in tables.values()]
+        same = sum(len(set(group)) == 1 for group in zip(*answers))
+        print(f"identical answers across {', '.join(tables)}: {same}/{len(answers[0])}")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps(tables, indent=2))
 
 
 if __name__ == "__main__":

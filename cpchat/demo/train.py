@@ -186,12 +186,19 @@ class Encoder:
 
 def make_batch(rng: random.Random, enc: Encoder, n_tokens: int, max_len: int, pos_span: int,
                p_pose: float, tok_per_sentence: float, max_questions: int = 4, max_facts: int = 6,
-               min_len: int = 96):
-    """A batch of examples of similar length, about `n_tokens` tokens in all."""
+               min_len: int = 96, p_copy: float = 0.0):
+    """A batch of examples of similar length, about `n_tokens` tokens in all.
+
+    With probability `p_copy` a row is instead a random token string said twice, with loss on
+    the repeat: the plainest signal for the copy (induction) heads retrieval is built from.
+    """
     target = int(math.exp(rng.uniform(math.log(min(min_len, max_len)), math.log(max_len))))
     bsz = max(1, n_tokens // target)
     seqs = []
     for _ in range(bsz):
+        if rng.random() < p_copy:
+            seqs.append((*copy_row(rng, enc, target, tok_per_sentence), False))
+            continue
         n_facts = rng.randint(1, max_facts)
         while True:
             # the document holds the facts too: size the filler so that at least the first answer fits
@@ -213,21 +220,33 @@ def make_batch(rng: random.Random, enc: Encoder, n_tokens: int, max_len: int, po
             shares = np.random.default_rng(rng.randrange(1 << 30)).dirichlet(np.ones(len(cuts))) * extra
             for c, s in zip(cuts, shares):
                 pos[c:] += int(s)
-        seqs.append((ids, mask, pos))
+        seqs.append((ids, mask, pos, True))
     t = max(len(s[0]) for s in seqs)
     ids = torch.zeros(len(seqs), t, dtype=torch.long)
     mask = torch.zeros(len(seqs), t)
     pos = torch.zeros(len(seqs), t, dtype=torch.long)
-    for i, (a, m, p) in enumerate(seqs):
+    for i, (a, m, p, _) in enumerate(seqs):
         ids[i, :len(a)] = torch.tensor(a)
         mask[i, :len(m)] = torch.tensor(m, dtype=torch.float)
         pos[i, :len(p)] = torch.tensor(p)
         pos[i, len(p):] = int(p[-1]) + 1 + torch.arange(t - len(p))
-    return ids, mask, pos
+    return ids, mask, pos, torch.tensor([s[3] for s in seqs])
 
 
-def loss_and_match(model: Llama, ids, mask, pos):
-    """Mean answer-token loss, and per-sequence exact match of the teacher-forced argmax.
+def copy_row(rng: random.Random, enc: Encoder, length: int, tok_per_sentence: float):
+    """Tokens of a shuffled document, then the same tokens again; loss on the second copy."""
+    ex = make_example(rng, max(1, int(length / tok_per_sentence)))
+    pool = enc.ids(ex.doc_text)
+    rng.shuffle(pool)
+    half = pool[: max(4, length // 2)]
+    ids = half + half
+    mask = [0] * (len(half) + 1) + [1] * (len(half) - 1)
+    return ids, mask, np.arange(len(ids))
+
+
+def loss_and_match(model: Llama, ids, mask, pos, qa):
+    """Mean loss over all masked tokens (the training objective), the mean answer-token loss of
+    the question-answering rows, and their exact match of the teacher-forced argmax.
 
     Every answer token being the argmax on the gold path is exactly greedy decoding's success.
     """
@@ -235,8 +254,10 @@ def loss_and_match(model: Llama, ids, mask, pos):
     tgt, m = ids[:, 1:], mask[:, 1:]
     nll = F.cross_entropy(logits.transpose(1, 2), tgt, reduction="none")
     loss = (nll * m).sum() / m.sum()
+    m_qa = m * qa[:, None]
+    qa_loss = (nll * m_qa).sum() / m_qa.sum().clamp(min=1)
     wrong = ((logits.argmax(-1) != tgt).float() * m).sum(1)
-    return loss, (wrong == 0).float()[m.sum(1) > 0]
+    return loss, qa_loss, (wrong == 0).float()[(m_qa.sum(1) > 0)]
 
 
 # ---------------------------------------------------------------- saving
@@ -287,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-questions", type=int, default=4, help="questions per document, 1 to this")
     ap.add_argument("--max-facts", type=int, default=6, help="facts per document, 1 to this")
     ap.add_argument("--min-len", type=int, default=96, help="shortest training sequence (tokens)")
+    ap.add_argument("--p-copy", type=float, default=0.0, help="share of rows that train plain copying")
     ap.add_argument("--stop-after", type=int, default=0, help="save and stop after this step (same schedule)")
     ap.add_argument("--time-steps", type=int, default=0, help="only time this many steps, then exit")
     args = ap.parse_args(argv)
@@ -345,17 +367,18 @@ def main(argv: list[str] | None = None) -> None:
             cap = int(min(args.max_len, 192 + (args.max_len - 192) * step / (0.4 * args.steps)))
         elif (step - args.start_step) % 25 == 0 and len(hist_em) >= 25 and np.mean(hist_em[-25:]) >= 0.5:
             cap = min(args.max_len, int(cap * 1.25))  # adaptive: grow only once the current length is solved
-        ids, mask, pos = make_batch(rng, enc, args.batch_tokens, cap, args.pos_span, args.p_pose,
-                                    tok_per_sentence, args.max_questions, args.max_facts, args.min_len)
+        ids, mask, pos, qa = make_batch(rng, enc, args.batch_tokens, cap, args.pos_span, args.p_pose,
+                                    tok_per_sentence, args.max_questions, args.max_facts, args.min_len,
+                                    args.p_copy)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args.bf16)):
-            loss, em = loss_and_match(model, ids, mask, pos)
+            loss, qa_loss, em = loss_and_match(model, ids, mask, pos, qa)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        hist_loss.append(loss.item())
+        hist_loss.append(qa_loss.item())
         if em.numel():
             hist_em.append(em.mean().item())
         if args.time_steps and step + 1 - args.start_step >= args.time_steps:
