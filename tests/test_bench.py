@@ -38,6 +38,8 @@ def test_bench_writes_results(tmp_path, model_dir):
     assert systems == {(s, c) for s in ("mlx-lm", "cpchat N=1", "cpchat N=2") for c in (64, 128)}
     for row in data["rows"]:
         assert row["prefill_tokens_per_s"][0] > 0 and row["decode_tokens_per_s"][0] > 0
+        # peak resident memory of a process holding an MLX runtime and a model: tens of MiB at least
+        assert 20 << 20 < row["peak_bytes_per_rank"] < 8 << 30
         if row["system"] == "cpchat N=2":
             assert 0.0 <= row["hidden_share"] <= 1.0 and row["kv_bytes_per_rank"] > 0
     assert data["transport"][0]["grpc_ring_gb_s"] > 0

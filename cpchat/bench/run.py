@@ -240,7 +240,7 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, fast_blas: bool) -
                         row.decode_tokens_per_s.append(event.decode_tokens_per_s)
                         row.kv_bytes_per_rank = max(r.kv_bytes for r in event.ranks)
                 stats = snapshot(cluster)
-                row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, max(s.mlx_peak_bytes for s in stats))
+                row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, max(s.peak_rss_bytes for s in stats))
             if n > 1 and not args.no_overlap:
                 row.hidden_share = hidden_share(cluster, ids, args, bandwidth)
             rows.append(row)

@@ -440,6 +440,6 @@ def _rank_stats(r: RankHandle, s: pb.RankStats) -> RankStats:
     return RankStats(
         rank=r.rank, address=r.address, state=s.state, kv_tokens=s.kv_tokens, kv_bytes=s.kv_bytes,
         rss_bytes=s.rss_bytes, mlx_active_bytes=s.mlx_active_bytes, mlx_peak_bytes=s.mlx_peak_bytes,
-        algorithm=s.algorithm,
+        peak_rss_bytes=s.peak_rss_bytes, algorithm=s.algorithm,
         ring_steps=[RingStep(t.layer, t.step, t.compute_ms, t.wait_ms, t.bytes_sent) for t in s.ring_steps],
     )

@@ -95,6 +95,7 @@ class RankStats:
     rss_bytes: int = 0
     mlx_active_bytes: int = 0
     mlx_peak_bytes: int = 0
+    peak_rss_bytes: int = 0
     algorithm: str = ""
     ring_steps: list[RingStep] = field(default_factory=list)
     error: str = ""

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import queue
+import resource
 import sys
 import threading
 import time
@@ -218,6 +219,7 @@ class RankState:
             rss_bytes=psutil.Process().memory_info().rss,
             mlx_active_bytes=mx.get_active_memory(),
             mlx_peak_bytes=mx.get_peak_memory(),
+            peak_rss_bytes=peak_rss_bytes(),
             algorithm=self.engine.last_algorithm,
             ring_steps=[
                 pb.RingStep(layer=t.layer, step=t.step, compute_ms=t.compute_ms, wait_ms=t.wait_ms,
@@ -345,6 +347,10 @@ class ControlServicer(pb_grpc.ControlServicer):
     def Shutdown(self, request, context):
         self.stop.set()
         return pb.ShutdownReply()
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 class RingServicer(pb_grpc.RingServicer):
