@@ -35,20 +35,22 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Names: Orion, Lyra, Vega, Altair.
 
 
 def train_tokenizer(
-    path: Path, vocab_size: int = 512, corpus: Iterable[str] | None = None, individual_digits: bool = False
+    path: Path, vocab_size: int = 512, corpus: Iterable[str] | None = None, digit_group: int = 0
 ) -> int:
     """Write tokenizer.json and tokenizer_config.json into `path`; return the vocabulary size.
 
-    `individual_digits` makes every digit its own token, which makes numbers easy to copy.
+    `digit_group` n > 0 cuts runs of digits into pieces of at most n digits, left to right
+    (2: "48125" is "48", "12", "5"), so a number is a few tokens from a large alphabet, which a
+    small model copies far more easily than a string of ten symbols.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    if individual_digits:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-        )
+    if digit_group:
+        digits = pre_tokenizers.Split(Regex(rf"\d{{1,{digit_group}}}"), behavior="isolated")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -73,9 +73,13 @@ def partial_attention(
     kp = _positions(k_pos, Lk, "k_pos")
     if xp is None:
         xp = np if mx.default_device() == mx.cpu else mx
+    qg, kt, vf = (a.astype(mx.float32) for a in (q, k.swapaxes(-1, -2), v))
+    if xp is np:
+        qg, kt, vf = np.asarray(qg), np.asarray(kt), np.asarray(vf)  # views of MLX's buffers
+        if groups * Lq >= tile:
+            kt = np.ascontiguousarray(kt)  # many queries per key tile: a transposing copy pays off
     # Grouped-query attention: fold each KV head's G query heads into the row axis.
-    qg = _to(xp, q).reshape(B, Hkv, groups, Lq, D)
-    kt, vf = _to(xp, k.swapaxes(-1, -2)), _to(xp, v)
+    qg = qg.reshape(B, Hkv, groups, Lq, D)
 
     outs, lses = [], []
     for q0 in range(0, Lq, tile):
@@ -95,12 +99,6 @@ def partial_attention(
     out = outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=3)
     lse = lses[0] if len(lses) == 1 else xp.concatenate(lses, axis=3)
     return mx.array(out.reshape(B, Hq, Lq, D)).astype(q.dtype), mx.array(lse.reshape(B, Hq, Lq))
-
-
-def _to(xp: ModuleType, a: mx.array):
-    """a as float32 in xp (numpy: contiguous, so that the tile matmuls run on BLAS directly)."""
-    a = a.astype(mx.float32)
-    return np.ascontiguousarray(a) if xp is np else a
 
 
 def _query_tile(xp: ModuleType, qt, kt, vf, qt_pos: np.ndarray, kp: np.ndarray, k_tile: int):

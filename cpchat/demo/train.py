@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpchat.demo.data import make_example, render_document, tokenizer_corpus
-from cpchat.smallmodels import EOS_TOKEN, model_config, train_tokenizer, vocab_size_index
+from cpchat.smallmodels import EOS_TOKEN, SPECIAL_TOKENS, model_config, train_tokenizer, vocab_size_index
 
 
 # ---------------------------------------------------------------- the model (mlx-lm llama layout)
@@ -197,7 +197,7 @@ def make_batch(rng: random.Random, enc: Encoder, n_tokens: int, max_len: int, po
     seqs = []
     for _ in range(bsz):
         if rng.random() < p_copy:
-            seqs.append((*copy_row(rng, enc, target, tok_per_sentence), False))
+            seqs.append((*copy_row(rng, enc, target), False))
             continue
         n_facts = rng.randint(1, max_facts)
         while True:
@@ -233,15 +233,11 @@ def make_batch(rng: random.Random, enc: Encoder, n_tokens: int, max_len: int, po
     return ids, mask, pos, torch.tensor([s[3] for s in seqs])
 
 
-def copy_row(rng: random.Random, enc: Encoder, length: int, tok_per_sentence: float):
-    """Tokens of a shuffled document, then the same tokens again; loss on the second copy."""
-    ex = make_example(rng, max(1, int(length / tok_per_sentence)))
-    pool = enc.ids(ex.doc_text)
-    rng.shuffle(pool)
-    half = pool[: max(4, length // 2)]
-    ids = half + half
+def copy_row(rng: random.Random, enc: Encoder, length: int):
+    """Random ordinary tokens, then the same tokens again; loss on the second copy."""
+    half = [rng.randrange(len(SPECIAL_TOKENS), enc.tok.get_vocab_size()) for _ in range(max(4, length // 2))]
     mask = [0] * (len(half) + 1) + [1] * (len(half) - 1)
-    return ids, mask, np.arange(len(ids))
+    return half + half, mask, np.arange(2 * len(half))
 
 
 def loss_and_match(model: Llama, ids, mask, pos, qa):
@@ -290,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-len", type=int, default=1024, help="longest training sequence (tokens)")
     ap.add_argument("--pos-span", type=int, default=32768, help="largest position id seen (PoSE)")
     ap.add_argument("--p-pose", type=float, default=0.5)
-    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=1536)
+    ap.add_argument("--digit-group", type=int, default=2, help="most digits in one token (train_tokenizer)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
@@ -323,7 +320,8 @@ def main(argv: list[str] | None = None) -> None:
             shutil.copy(args.init / name, tok_dir / name)
         vocab = json.loads((args.init / "config.json").read_text())["vocab_size"]
     else:
-        vocab = train_tokenizer(tok_dir, args.vocab, tokenizer_corpus(args.seed), individual_digits=True)
+        vocab = train_tokenizer(tok_dir, args.vocab, tokenizer_corpus(args.seed),
+                                digit_group=args.digit_group)
     enc = Encoder(tok_dir / "tokenizer.json")
     check_rng = random.Random(args.seed + 1)
     lengths = []
@@ -360,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     hist_loss: list[float] = []
     hist_em: list[float] = []
+    hist_all: list[float] = []
     cap = args.adaptive_cap
     for step in range(args.start_step, args.steps):
         if not args.adaptive_cap:
@@ -379,6 +378,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         hist_loss.append(qa_loss.item())
+        hist_all.append(loss.item())
         if em.numel():
             hist_em.append(em.mean().item())
         if args.time_steps and step + 1 - args.start_step >= args.time_steps:
@@ -386,6 +386,7 @@ def main(argv: list[str] | None = None) -> None:
             return
         if (step + 1) % 25 == 0:
             print(f"step {step + 1} cap {cap} loss {np.mean(hist_loss[-25:]):.4f} "
+                  f"(with copying {np.mean(hist_all[-25:]):.4f}) "
                   f"em {np.mean(hist_em[-25:]):.3f} lr {lr_at(step):.2e} {time.time() - t0:.0f}s", flush=True)
         last = step + 1 == args.steps or step + 1 == args.stop_after
         if (step + 1) % args.save_every == 0 or last:
