@@ -274,13 +274,16 @@ def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> fl
     return max(0.0, 1.0 - waited / transfer) if transfer else 0.0
 
 
+TRANSPORT_ROUNDS = 10  # best of: the first rounds pay for buffers and flow-control windows, on both sides
+
+
 def run_transport(sizes: list[int]) -> list[dict]:
     """The gRPC ring next to mx.distributed's ring backend, 2 local processes each."""
     results = []
     cluster = Cluster.launch(2)
     try:
         cluster.connect()
-        grpc_rates = {size: ring_bandwidth(cluster, size) for size in sizes}
+        grpc_rates = {size: ring_bandwidth(cluster, size, TRANSPORT_ROUNDS) for size in sizes}
     finally:
         cluster.close()
     mx_rates = mx_distributed_rates(sizes)
@@ -314,6 +317,7 @@ def mx_distributed_rates(sizes: list[int]) -> dict[int, float]:
         sys.executable,
         script,
         ",".join(str(s) for s in sizes),
+        str(TRANSPORT_ROUNDS),
     ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=rank_environment())

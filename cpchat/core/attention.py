@@ -118,7 +118,7 @@ def _query_tile(xp: ModuleType, qt, kt, vf, qt_pos: np.ndarray, kp: np.ndarray, 
             s = xp.where(xp.array(qt_pos[:, None] >= kp[None, k0:k1]), s, _NEG_INF)
         m_new = xp.maximum(m, s.max(axis=-1))
         m_safe = xp.where(m_new == _NEG_INF, 0.0, m_new)
-        p = xp.exp(s - m_safe[..., None])
+        p = _exp_shifted(xp, s, m_safe[..., None])
         alpha = xp.exp(m - m_safe)
         denom = alpha * denom + p.sum(axis=-1)
         acc = alpha[..., None] * acc + p @ vf[:, :, k0:k1]
@@ -127,6 +127,14 @@ def _query_tile(xp: ModuleType, qt, kt, vf, qt_pos: np.ndarray, kp: np.ndarray, 
     out = acc / xp.where(seen, denom, 1.0)[..., None]
     lse = xp.where(seen, m + xp.log(xp.where(seen, denom, 1.0)), _NEG_INF)
     return out, lse
+
+
+def _exp_shifted(xp: ModuleType, s, shift):
+    """exp(s - shift); numpy works in place on the score block (no 2 new blocks of tile x tile)."""
+    if xp is np:
+        s -= shift
+        return np.exp(s, out=s)
+    return mx.exp(s - shift)
 
 
 def merge_partials(parts: list[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx.array]:

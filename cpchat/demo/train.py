@@ -203,7 +203,8 @@ def make_batch(rng: random.Random, enc: Encoder, n_tokens: int, max_len: int, po
         while True:
             # the document holds the facts too: size the filler so that at least the first answer fits
             n_filler = max(1, int(rng.uniform(0.7, 1.0) * target / tok_per_sentence) - 8 - n_facts)
-            ex = make_example(rng, n_filler, n_facts=n_facts, n_questions=rng.randint(1, max_questions))
+            n_questions = rng.randint(1, min(max_questions, n_facts + 1))  # few repeated questions
+            ex = make_example(rng, n_filler, n_facts=n_facts, n_questions=n_questions)
             ids, mask, gaps = enc.encode(ex)
             ends = [i + 1 for i in range(min(len(ids), max_len))
                     if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
@@ -304,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="adaptive curriculum from this longest length, x1.25 whenever batches are solved")
     ap.add_argument("--max-questions", type=int, default=4, help="questions per document, 1 to this")
     ap.add_argument("--max-facts", type=int, default=6, help="facts per document, 1 to this")
+    ap.add_argument("--start-facts", type=int, default=0,
+                    help="with --adaptive-cap: start with at most this many facts, doubling when solved")
     ap.add_argument("--min-len", type=int, default=96, help="shortest training sequence (tokens)")
     ap.add_argument("--p-copy", type=float, default=0.0, help="share of rows that train plain copying")
     ap.add_argument("--stop-after", type=int, default=0, help="save and stop after this step (same schedule)")
@@ -360,15 +363,21 @@ def main(argv: list[str] | None = None) -> None:
     hist_em: list[float] = []
     hist_all: list[float] = []
     cap = args.adaptive_cap
+    facts = args.start_facts or args.max_facts
     for step in range(args.start_step, args.steps):
         if not args.adaptive_cap:
             # curriculum: the longest sequence grows from 192 tokens to max_len over the first 40% of steps
             cap = int(min(args.max_len, 192 + (args.max_len - 192) * step / (0.4 * args.steps)))
         elif (step - args.start_step) % 25 == 0 and len(hist_em) >= 25 and np.mean(hist_em[-25:]) >= 0.5:
-            cap = min(args.max_len, int(cap * 1.25))  # adaptive: grow only once the current length is solved
+            # adaptive: harder only once the current level is solved; first more facts, then longer
+            if facts < args.max_facts:
+                facts = min(args.max_facts, 2 * facts)
+            else:
+                cap = min(args.max_len, int(cap * 1.25))
+            hist_em.clear()
         ids, mask, pos, qa = make_batch(rng, enc, args.batch_tokens, cap, args.pos_span, args.p_pose,
-                                    tok_per_sentence, args.max_questions, args.max_facts, args.min_len,
-                                    args.p_copy)
+                                        tok_per_sentence, args.max_questions, facts, args.min_len,
+                                        args.p_copy)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args.bf16)):
@@ -385,14 +394,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{(time.time() - t0) / (step + 1 - args.start_step):.3f} s/step at cap {cap}", flush=True)
             return
         if (step + 1) % 25 == 0:
-            print(f"step {step + 1} cap {cap} loss {np.mean(hist_loss[-25:]):.4f} "
+            print(f"step {step + 1} cap {cap} facts {facts} loss {np.mean(hist_loss[-25:]):.4f} "
                   f"(with copying {np.mean(hist_all[-25:]):.4f}) "
-                  f"em {np.mean(hist_em[-25:]):.3f} lr {lr_at(step):.2e} {time.time() - t0:.0f}s", flush=True)
+                  f"em {np.mean(hist_em[-25:] or [0]):.3f} lr {lr_at(step):.2e} {time.time() - t0:.0f}s",
+                  flush=True)
         last = step + 1 == args.steps or step + 1 == args.stop_after
         if (step + 1) % args.save_every == 0 or last:
             meta = {"args": {k: str(v) for k, v in vars(args).items()}, "step": step + 1,
                     "seconds": round(time.time() - t0), "parameters": n_params,
-                    "train_em_last100": float(np.mean(hist_em[-100:]))}
+                    "train_em_last100": float(np.mean(hist_em[-100:] or [0]))}
             save(model, tok_dir, args.out, meta)
             print(f"saved {args.out} at step {step + 1}", flush=True)
         if last:
