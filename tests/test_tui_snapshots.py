@@ -45,8 +45,10 @@ def steps(rank: int) -> list[RingStep]:
 
 
 def stats(rank: int, state: str, kv_tokens: int, error: str = "") -> RankStats:
-    return RankStats(rank, RANKS[rank].address, state, kv_tokens, kv_tokens * 512, 420 << 20, 96 << 20,
-                     160 << 20, "pass_kv", steps(rank) if kv_tokens else [], error)
+    return RankStats(rank, RANKS[rank].address, state, kv_tokens=kv_tokens, kv_bytes=kv_tokens * 512,
+                     rss_bytes=420 << 20, mlx_active_bytes=96 << 20, mlx_peak_bytes=160 << 20,
+                     peak_rss_bytes=440 << 20, algorithm="pass_kv",
+                     ring_steps=steps(rank) if kv_tokens else [], error=error)
 
 
 def make_app() -> CpchatApp:
