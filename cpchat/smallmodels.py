@@ -40,8 +40,8 @@ def train_tokenizer(
     """Write tokenizer.json and tokenizer_config.json into `path`; return the vocabulary size.
 
     `digit_group` n > 0 cuts runs of digits into pieces of at most n digits, left to right
-    (2: "48125" is "48", "12", "5"), so a number is a few tokens from a large alphabet, which a
-    small model copies far more easily than a string of ten symbols.
+    (2: "48125" is "48", "12", "5"): a number becomes a few tokens from a larger alphabet, so
+    "the token after this one" is less ambiguous when a model copies it.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
