@@ -90,11 +90,6 @@ def test_demo_model_loads_and_answers_in_form(sample_answers: list[str]) -> None
         assert got == NOT_FOUND or got.startswith(want.split(" is ")[0] + " is "), got
 
 
-UNDERTRAINED = pytest.mark.xfail(strict=False, reason="the shipped demo model does not yet retrieve values "
-                                  "reliably (see assets/demo-model/README.md)")
-
-
-@UNDERTRAINED
 def test_demo_model_answers_sample_questions(sample_answers: list[str]) -> None:
     assert sample_answers == [a for _, a in SAMPLE_QA]
 
@@ -124,7 +119,6 @@ def test_headless_with_two_ranks_answers_in_form(headless_answers: list[str]) ->
         assert got == NOT_FOUND or got.startswith(f"The {key} is "), got
 
 
-@UNDERTRAINED
 def test_headless_with_two_ranks_answers_from_the_sample_document(headless_answers: list[str]) -> None:
     assert headless_answers == [a for _, a in HEADLESS_QA]
 
@@ -155,7 +149,6 @@ def test_one_and_four_ranks_give_the_same_answers(held_out) -> None:
     assert all(answers), "every example got an answer"
 
 
-@UNDERTRAINED
 def test_held_out_answers_are_right(held_out) -> None:
     examples, answers, _ = held_out
     right = sum(a == ex.turns[0][1] for a, ex in zip(answers, examples, strict=True))

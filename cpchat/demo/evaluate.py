@@ -23,7 +23,7 @@ from cpchat.demo.data import NOT_FOUND, make_example, render_user_turn
 # generate_fn(doc_name, doc_text, question) -> the answer text
 GenerateFn = Callable[[str, str, str], str]
 POSITION_CELLS = ("start", "middle", "end", "absent")
-TOKENS_PER_SENTENCE = 11.2  # measured with the demo tokenizer; documents are sized by it
+TOKENS_PER_SENTENCE = 10.7  # measured with the demo tokenizer (train.py prints it); documents are sized by it
 
 
 def mlx_generate_fn(model_path: str | Path, max_tokens: int = 48) -> GenerateFn:

@@ -114,7 +114,9 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Inner(cfg)
-        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.tied = cfg["tie_word_embeddings"]
+        if not self.tied:
+            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         hd = cfg["head_dim"]
         inv = cfg["rope_theta"] ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
         self.register_buffer("inv_freq", inv, persistent=False)
@@ -130,7 +132,8 @@ class Llama(nn.Module):
         x = self.model.embed_tokens(ids)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
-        return self.lm_head(self.model.norm(x))
+        x = self.model.norm(x)
+        return x @ self.model.embed_tokens.weight.T if self.tied else self.lm_head(x)
 
 
 # ---------------------------------------------------------------- data
@@ -186,7 +189,7 @@ class Encoder:
 
 def make_batch(rng: random.Random, enc: Encoder, n_tokens: int, max_len: int, pos_span: int,
                p_pose: float, tok_per_sentence: float, max_questions: int = 4, max_facts: int = 6,
-               min_len: int = 96, p_copy: float = 0.0):
+               min_len: int = 96, p_copy: float = 0.0, p_absent: float = 0.15):
     """A batch of examples of similar length, about `n_tokens` tokens in all.
 
     With probability `p_copy` a row is instead a random token string said twice, with loss on
@@ -204,7 +207,7 @@ def make_batch(rng: random.Random, enc: Encoder, n_tokens: int, max_len: int, po
             # the document holds the facts too: size the filler so that at least the first answer fits
             n_filler = max(1, int(rng.uniform(0.7, 1.0) * target / tok_per_sentence) - 8 - n_facts)
             n_questions = rng.randint(1, min(max_questions, n_facts + 1))  # few repeated questions
-            ex = make_example(rng, n_filler, n_facts=n_facts, n_questions=n_questions)
+            ex = make_example(rng, n_filler, n_facts=n_facts, n_questions=n_questions, p_absent=p_absent)
             ids, mask, gaps = enc.encode(ex)
             ends = [i + 1 for i in range(min(len(ids), max_len))
                     if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
@@ -231,7 +234,8 @@ def make_batch(rng: random.Random, enc: Encoder, n_tokens: int, max_len: int, po
         mask[i, :len(m)] = torch.tensor(m, dtype=torch.float)
         pos[i, :len(p)] = torch.tensor(p)
         pos[i, len(p):] = int(p[-1]) + 1 + torch.arange(t - len(p))
-    return ids, mask, pos, torch.tensor([s[3] for s in seqs])
+    lengths = torch.tensor([len(s[0]) for s in seqs])
+    return ids, mask, pos, torch.tensor([s[3] for s in seqs]), lengths
 
 
 def copy_row(rng: random.Random, enc: Encoder, length: int):
@@ -241,20 +245,28 @@ def copy_row(rng: random.Random, enc: Encoder, length: int):
     return half + half, mask, np.arange(2 * len(half))
 
 
-def loss_and_match(model: Llama, ids, mask, pos, qa):
-    """Mean loss over all masked tokens (the training objective), the mean answer-token loss of
-    the question-answering rows, and their exact match of the teacher-forced argmax.
+def loss_and_match(model: Llama, ids, mask, pos, qa, lengths, context_weight: float = 0.0):
+    """The training objective, the mean answer-token loss of the question-answering rows, and
+    their exact match of the teacher-forced argmax.
 
+    The objective is the mean loss over the masked (answer) tokens plus `context_weight` times
+    the mean loss over every other real token: predicting the document and the question too
+    gives the copy heads a dense signal (a key in a question is a copy from the document).
     Every answer token being the argmax on the gold path is exactly greedy decoding's success.
     """
     logits = model(ids[:, :-1], pos[:, :-1]).float()
     tgt, m = ids[:, 1:], mask[:, 1:]
     nll = F.cross_entropy(logits.transpose(1, 2), tgt, reduction="none")
     loss = (nll * m).sum() / m.sum()
+    if context_weight:
+        real = (torch.arange(tgt.shape[1])[None] < (lengths[:, None] - 1)).float() * (1 - m)
+        loss = loss + context_weight * (nll * real).sum() / real.sum().clamp(min=1)
     m_qa = m * qa[:, None]
     qa_loss = (nll * m_qa).sum() / m_qa.sum().clamp(min=1)
+    m_copy = m - m_qa
+    copy_loss = (nll * m_copy).sum() / m_copy.sum().clamp(min=1)
     wrong = ((logits.argmax(-1) != tgt).float() * m).sum(1)
-    return loss, qa_loss, (wrong == 0).float()[(m_qa.sum(1) > 0)]
+    return loss, qa_loss, copy_loss, (wrong == 0).float()[(m_qa.sum(1) > 0)]
 
 
 # ---------------------------------------------------------------- saving
@@ -294,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--ff", type=int, default=512)
+    ap.add_argument("--tie", type=int, default=1,
+                    help="tie the output head to the embeddings (copying a token is then the identity map)")
     ap.add_argument("--rope-theta", type=float, default=1e6)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--bf16", type=int, default=1, help="bfloat16 autocast (2x faster on the CPU)")
@@ -308,7 +322,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--start-facts", type=int, default=0,
                     help="with --adaptive-cap: start with at most this many facts, doubling when solved")
     ap.add_argument("--min-len", type=int, default=96, help="shortest training sequence (tokens)")
+    ap.add_argument("--p-absent", type=float, default=0.15, help="share of questions whose answer is absent")
     ap.add_argument("--p-copy", type=float, default=0.0, help="share of rows that train plain copying")
+    ap.add_argument("--context-loss", type=float, default=0.0,
+                    help="weight of the loss on the document and question tokens (0: answers only)")
     ap.add_argument("--stop-after", type=int, default=0, help="save and stop after this step (same schedule)")
     ap.add_argument("--time-steps", type=int, default=0, help="only time this many steps, then exit")
     args = ap.parse_args(argv)
@@ -336,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"vocab {vocab}, {tok_per_sentence:.1f} tokens per sentence", flush=True)
 
     cfg = model_config("llama", vocab, args.hidden, args.layers, args.heads, args.kv_heads, args.ff,
-                       rope_theta=args.rope_theta)
+                       tie_embeddings=bool(args.tie), rope_theta=args.rope_theta)
     cfg["eos_token_id"] = vocab_size_index(tok_dir, EOS_TOKEN)
     model = Llama(cfg)
     if args.init:
@@ -362,6 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     hist_loss: list[float] = []
     hist_em: list[float] = []
     hist_all: list[float] = []
+    hist_copy: list[float] = []
     cap = args.adaptive_cap
     facts = args.start_facts or args.max_facts
     for step in range(args.start_step, args.steps):
@@ -375,19 +393,22 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 cap = min(args.max_len, int(cap * 1.25))
             hist_em.clear()
-        ids, mask, pos, qa = make_batch(rng, enc, args.batch_tokens, cap, args.pos_span, args.p_pose,
+        ids, mask, pos, qa, lengths = make_batch(rng, enc, args.batch_tokens, cap, args.pos_span, args.p_pose,
                                         tok_per_sentence, args.max_questions, facts, args.min_len,
-                                        args.p_copy)
+                                        args.p_copy, args.p_absent)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args.bf16)):
-            loss, qa_loss, em = loss_and_match(model, ids, mask, pos, qa)
+            loss, qa_loss, copy_loss, em = loss_and_match(model, ids, mask, pos, qa, lengths,
+                                                          args.context_loss)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         hist_loss.append(qa_loss.item())
         hist_all.append(loss.item())
+        if not qa.all():
+            hist_copy.append(copy_loss.item())
         if em.numel():
             hist_em.append(em.mean().item())
         if args.time_steps and step + 1 - args.start_step >= args.time_steps:
@@ -395,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
             return
         if (step + 1) % 25 == 0:
             print(f"step {step + 1} cap {cap} facts {facts} loss {np.mean(hist_loss[-25:]):.4f} "
-                  f"(with copying {np.mean(hist_all[-25:]):.4f}) "
+                  f"objective {np.mean(hist_all[-25:]):.4f} copy {np.mean(hist_copy[-25:] or [0]):.3f} "
                   f"em {np.mean(hist_em[-25:] or [0]):.3f} lr {lr_at(step):.2e} {time.time() - t0:.0f}s",
                   flush=True)
         last = step + 1 == args.steps or step + 1 == args.stop_after
@@ -403,6 +424,8 @@ def main(argv: list[str] | None = None) -> None:
             meta = {"args": {k: str(v) for k, v in vars(args).items()}, "step": step + 1,
                     "seconds": round(time.time() - t0), "parameters": n_params,
                     "train_em_last100": float(np.mean(hist_em[-100:] or [0]))}
+            if args.init and (args.init / "training.json").exists():  # the phases before this one
+                meta["continued_from"] = json.loads((args.init / "training.json").read_text())
             save(model, tok_dir, args.out, meta)
             print(f"saved {args.out} at step {step + 1}", flush=True)
         if last:

@@ -1,4 +1,4 @@
-"""Render the README screenshot: the real app, real local ranks, a document attached, mid-answer.
+"""Render the README screenshot: the real app, real local ranks, a document attached, a question answered.
 
     python -m cpchat.tui.screenshot [--model DIR] [--out assets/screenshot]
 
@@ -38,12 +38,10 @@ async def capture(model: str, out: Path, document: Path, question: str) -> None:
         await until(lambda: any(c.tokens for c in app.query(AttachmentChip)))
         app.query_one(ChatInput).load_text(question)
         await pilot.press("enter")
-        await until(lambda: app._tokens >= 8 or (app.turns_done and not app.busy))
+        await until(lambda: app.turns_done and not app.busy)
         await pilot.pause()
         app.query_one(ChatInput).cursor_blink = False
         svg = app.save_screenshot(filename=out.with_suffix(".svg").name, path=str(out.parent))
-        await pilot.press("escape")
-        await until(lambda: not app.busy)
     if shutil.which("rsvg-convert"):
         subprocess.run(["rsvg-convert", "-z", "0.8", svg, "-o", str(out.with_suffix(".png"))], check=True)
 
@@ -59,7 +57,7 @@ def main() -> None:
     p.add_argument("--model", default="")
     p.add_argument("--out", type=Path, default=REPO_ASSETS / "screenshot")
     p.add_argument("--doc", type=Path, default=REPO_ASSETS / "sample-doc.txt")
-    p.add_argument("--question", default="What is the access code for the vault, and where is it written?")
+    p.add_argument("--question", default="What is the access code for the Orion vault?")
     args = p.parse_args()
     asyncio.run(capture(args.model, args.out, args.doc.resolve(), args.question))
 
