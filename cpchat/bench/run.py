@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -330,7 +331,7 @@ def mx_distributed_rates(sizes: list[int]) -> dict[int, float]:
 
 def write_report(out: Path, rows: list[Row], transport: list[dict], args, model: str, seconds: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    command = "cpchat bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    command = "cpchat bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
     base = {(r.context, r.blas): r for r in rows if r.system == "mlx-lm"}
     lines = [
         "# cpchat bench",
@@ -338,11 +339,14 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         f"Command: `{command.strip()}`  ",
         f"Model: `{Path(model).name}`; {args.repeats} repeat(s), best of them (median in the JSON); "
         f"{args.decode} decoded tokens; {os.cpu_count()} cores; took {seconds:.0f} s.",
-        "",
-        "| system | BLAS | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s | vs mlx-lm "
-        "| KV MiB/rank | peak MiB/rank | hidden comm |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    if rows:
+        lines += [
+            "",
+            "| system | BLAS | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s | vs mlx-lm "
+            "| KV MiB/rank | peak MiB/rank | hidden comm |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
     for r in rows:
         b = base.get((r.context, r.blas))
         pre_ratio = f"{r.best('prefill_tokens_per_s') / b.best('prefill_tokens_per_s'):.2f}×" if b else ""
@@ -364,7 +368,8 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
     (out / "results.json").write_text(
         json.dumps({"command": command, "rows": [asdict(r) for r in rows], "transport": transport}, indent=1)
     )
-    write_chart(out / "results.png", rows)
+    if rows:
+        write_chart(out / "results.png", rows)
 
 
 def write_chart(path: Path, rows: list[Row]) -> None:
