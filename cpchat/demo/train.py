@@ -3,7 +3,11 @@
     python -m cpchat.demo.train --out assets/demo-model
 
 A small llama learns to answer questions about an attached document from
-generated examples (cpchat.demo.data), with loss only on the answer tokens.
+generated examples (cpchat.demo.data), with loss on the answer tokens. Learn to
+copy first (`--p-copy 1.0` on short rows): retrieval is built from copy
+(induction) heads, and they form far sooner on plain copying than inside the
+task; then continue (`--init`) on the questions. The model card in
+assets/demo-model has the exact phases.
 Training runs in PyTorch on the CPU (faster per step than MLX there) and the
 result is saved as an mlx-lm model directory.
 
@@ -250,8 +254,8 @@ def loss_and_match(model: Llama, ids, mask, pos, qa, lengths, context_weight: fl
     their exact match of the teacher-forced argmax.
 
     The objective is the mean loss over the masked (answer) tokens plus `context_weight` times
-    the mean loss over every other real token: predicting the document and the question too
-    gives the copy heads a dense signal (a key in a question is a copy from the document).
+    the mean loss over every other real token (a denser signal; in practice it also taught the
+    model to write prose after its answer, see the model card).
     Every answer token being the argmax on the gold path is exactly greedy decoding's success.
     """
     logits = model(ids[:, :-1], pos[:, :-1]).float()
@@ -393,9 +397,9 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 cap = min(args.max_len, int(cap * 1.25))
             hist_em.clear()
-        ids, mask, pos, qa, lengths = make_batch(rng, enc, args.batch_tokens, cap, args.pos_span, args.p_pose,
-                                        tok_per_sentence, args.max_questions, facts, args.min_len,
-                                        args.p_copy, args.p_absent)
+        ids, mask, pos, qa, lengths = make_batch(rng, enc, args.batch_tokens, cap, args.pos_span,
+                                                 args.p_pose, tok_per_sentence, args.max_questions, facts,
+                                                 args.min_len, args.p_copy, args.p_absent)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args.bf16)):
