@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cpchat.client.settings import REPO_ASSETS, Settings, resolve_model
 from cpchat.tui.app import CpchatApp
-from cpchat.tui.widgets import AttachmentChip, ChatInput
+from cpchat.tui.widgets import AttachmentChip, ChatInput, RanksPanel
 
 
 async def capture(model: str, out: Path, document: Path, question: str) -> None:
@@ -39,6 +39,8 @@ async def capture(model: str, out: Path, document: Path, question: str) -> None:
         app.query_one(ChatInput).load_text(question)
         await pilot.press("enter")
         await until(lambda: app.turns_done and not app.busy)
+        rows = app.query_one(RanksPanel).rows.values()
+        await until(lambda: all(r.stats.state == "ready" for r in rows))  # the Stats stream lags a little
         await pilot.pause()
         app.query_one(ChatInput).cursor_blink = False
         svg = app.save_screenshot(filename=out.with_suffix(".svg").name, path=str(out.parent))
