@@ -191,6 +191,8 @@ def test_ranks_never_outlive_the_front_end(model_dir, sig):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as from a terminal: a runner started in the background (`cmd &`) ignores SIGINT, children too
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         ready = json.loads(p.stdout.readline())  # the front end now waits for a turn on stdin
