@@ -84,12 +84,6 @@ def sample_answers() -> list[str]:
     return json.loads(out.stdout.splitlines()[-1])
 
 
-def test_demo_model_loads_and_answers_in_form(sample_answers: list[str]) -> None:
-    """The shipped model loads with mlx-lm and answers in the trained form (key copied from the question)."""
-    for (_, want), got in zip(SAMPLE_QA, sample_answers):
-        assert got == NOT_FOUND or got.startswith(want.split(" is ")[0] + " is "), got
-
-
 def test_demo_model_answers_sample_questions(sample_answers: list[str]) -> None:
     assert sample_answers == [a for _, a in SAMPLE_QA]
 
@@ -110,13 +104,6 @@ def headless_answers() -> list[str]:
     assert [e["event"] for e in events].count("done") == len(HEADLESS_QA)
     return ["".join(e["text"] for e in events if e["event"] == "token" and e["turn"] == turn).strip()
             for turn in range(len(HEADLESS_QA))]
-
-
-def test_headless_with_two_ranks_answers_in_form(headless_answers: list[str]) -> None:
-    """Each answer is the refusal or a fact sentence about the key asked for."""
-    for (question, _), got in zip(HEADLESS_QA, headless_answers, strict=True):
-        key = question.removeprefix("What is the ").removesuffix("?")  # "access code for the Orion vault"
-        assert got == NOT_FOUND or got.startswith(f"The {key} is "), got
 
 
 def test_headless_with_two_ranks_answers_from_the_sample_document(headless_answers: list[str]) -> None:
