@@ -12,10 +12,12 @@ Training runs in PyTorch on the CPU (faster per step than MLX there) and the
 result is saved as an mlx-lm model directory.
 
 Length generalisation: retrieval must work far past the training length, so
-(1) rope_theta is large, leaving most rotary frequencies nearly still, and
-(2) half of the batches use skipped position ids (PoSE): position jumps at
-sentence boundaries inside the document, so relative distances up to
-`--pos-span` are seen while sequences stay short.
+(1) rope_theta is large, leaving most rotary frequencies nearly still,
+(2) some batches use skipped position ids (PoSE): position jumps at sentence
+boundaries inside the document, so relative distances up to `--pos-span` are
+seen while sequences stay short, and (3) `--attention-temp` trains with
+softened attention, so that at inference the match to the fact stands out
+among more sentences than training ever showed.
 """
 
 from __future__ import annotations
@@ -58,13 +60,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(nh * self.hd, d, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, temp: float) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nkv != self.nh)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=temp / math.sqrt(self.hd),
+                                           enable_gqa=self.nkv != self.nh)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -94,8 +97,8 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(d)
         self.post_attention_layernorm = RMSNorm(d)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, temp: float) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, temp)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -130,12 +133,13 @@ class Llama(nn.Module):
                 std = 0.02 / math.sqrt(2 * cfg["num_hidden_layers"]) if residual_out else 0.02
                 nn.init.normal_(p, std=std)
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, temp: float = 1.0) -> torch.Tensor:
+        """`temp` scales every attention logit (1.0: the model as mlx-lm runs it)."""
         ang = (pos.to(torch.float64)[..., None] * self.inv_freq).float()[:, None]  # B,1,T,hd/2
         cos, sin = ang.cos(), ang.sin()
         x = self.model.embed_tokens(ids)
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, temp)
         x = self.model.norm(x)
         return x @ self.model.embed_tokens.weight.T if self.tied else self.lm_head(x)
 
@@ -249,7 +253,7 @@ def copy_row(rng: random.Random, enc: Encoder, length: int):
     return half + half, mask, np.arange(2 * len(half))
 
 
-def loss_and_match(model: Llama, ids, mask, pos, qa, lengths, context_weight: float = 0.0):
+def loss_and_match(model: Llama, ids, mask, pos, qa, lengths, context_weight: float = 0.0, temp: float = 1.0):
     """The training objective, the mean answer-token loss of the question-answering rows, and
     their exact match of the teacher-forced argmax.
 
@@ -258,7 +262,7 @@ def loss_and_match(model: Llama, ids, mask, pos, qa, lengths, context_weight: fl
     model to write prose after its answer, see the model card).
     Every answer token being the argmax on the gold path is exactly greedy decoding's success.
     """
-    logits = model(ids[:, :-1], pos[:, :-1]).float()
+    logits = model(ids[:, :-1], pos[:, :-1], temp).float()
     tgt, m = ids[:, 1:], mask[:, 1:]
     nll = F.cross_entropy(logits.transpose(1, 2), tgt, reduction="none")
     loss = (nll * m).sum() / m.sum()
@@ -330,6 +334,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--p-copy", type=float, default=0.0, help="share of rows that train plain copying")
     ap.add_argument("--context-loss", type=float, default=0.0,
                     help="weight of the loss on the document and question tokens (0: answers only)")
+    ap.add_argument("--attention-temp", type=float, default=1.0,
+                    help="scale attention logits by a random factor in [this, 1]: softer than at "
+                         "inference, so the model learns sharper matches (for contexts past training's)")
     ap.add_argument("--stop-after", type=int, default=0, help="save and stop after this step (same schedule)")
     ap.add_argument("--time-steps", type=int, default=0, help="only time this many steps, then exit")
     args = ap.parse_args(argv)
@@ -403,8 +410,9 @@ def main(argv: list[str] | None = None) -> None:
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args.bf16)):
+            temp = rng.uniform(args.attention_temp, 1.0) if args.attention_temp < 1 else 1.0
             loss, qa_loss, copy_loss, em = loss_and_match(model, ids, mask, pos, qa, lengths,
-                                                          args.context_loss)
+                                                          args.context_loss, temp)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
