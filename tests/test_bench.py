@@ -24,7 +24,7 @@ def test_bench_writes_results(tmp_path, model_dir):
             "--decode",
             "4",
             "--transport",
-            "1",
+            "1,9",  # 9 MiB: three frames, assembled on the receiving rank while it serves the others
             "--out",
             str(out),
         ],
@@ -42,6 +42,7 @@ def test_bench_writes_results(tmp_path, model_dir):
         assert 20 << 20 < row["peak_bytes_per_rank"] < 8 << 30
         if row["system"] == "cpchat N=2":
             assert 0.0 <= row["hidden_share"] <= 1.0 and row["kv_bytes_per_rank"] > 0
-    assert data["transport"][0]["grpc_ring_gb_s"] > 0
+    assert [t["block_mib"] for t in data["transport"]] == [1, 9]
+    assert all(t["grpc_ring_gb_s"] > 0 for t in data["transport"])
     table = (out / "results.md").read_text()
     assert "| cpchat N=2 | openblas | 128 |" in table or "| cpchat N=2 | reference | 128 |" in table

@@ -23,8 +23,10 @@ def roundtrip(tensors):
     return frames, results[-1]
 
 
+@pytest.mark.parametrize("chunk_bytes", [wire.CHUNK_BYTES, 64])  # one frame, or written chunk by chunk
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.int32, mx.int64, mx.uint32])
-def test_tensors_roundtrip_bit_exact(dtype):
+def test_tensors_roundtrip_bit_exact(dtype, chunk_bytes, monkeypatch):
+    monkeypatch.setattr(wire, "CHUNK_BYTES", chunk_bytes)
     a = (mx.random.normal((2, 3, 5, 4)) * 100).astype(dtype)
     _, (b,) = roundtrip([a])
     assert b.dtype == dtype and b.shape == a.shape
