@@ -24,7 +24,7 @@ def test_bench_writes_results(tmp_path, model_dir):
             "--decode",
             "4",
             "--transport",
-            "1,9",  # 9 MiB: three frames, assembled on the receiving rank while it serves the others
+            "1,9",  # 9 MiB: a block of three frames between real ranks
             "--out",
             str(out),
         ],

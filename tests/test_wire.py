@@ -23,7 +23,7 @@ def roundtrip(tensors):
     return frames, results[-1]
 
 
-@pytest.mark.parametrize("chunk_bytes", [wire.CHUNK_BYTES, 64])  # one frame, or written chunk by chunk
+@pytest.mark.parametrize("chunk_bytes", [wire.CHUNK_BYTES, 64])  # one frame, or gathered from chunks
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.int32, mx.int64, mx.uint32])
 def test_tensors_roundtrip_bit_exact(dtype, chunk_bytes, monkeypatch):
     monkeypatch.setattr(wire, "CHUNK_BYTES", chunk_bytes)

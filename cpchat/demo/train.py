@@ -409,8 +409,8 @@ def main(argv: list[str] | None = None) -> None:
                                                  args.min_len, args.p_copy, args.p_absent)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
+        temp = rng.uniform(args.attention_temp, 1.0) if args.attention_temp < 1 else 1.0
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args.bf16)):
-            temp = rng.uniform(args.attention_temp, 1.0) if args.attention_temp < 1 else 1.0
             loss, qa_loss, copy_loss, em = loss_and_match(model, ids, mask, pos, qa, lengths,
                                                           args.context_loss, temp)
         opt.zero_grad(set_to_none=True)
