@@ -195,8 +195,9 @@ def test_ranks_never_outlive_the_front_end(model_dir, sig):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        ready = json.loads(p.stdout.readline())  # the front end now waits for a turn on stdin
-        assert ready["event"] == "ready"
+        line = p.stdout.readline()  # the front end then waits for a turn on stdin
+        assert line, f"front end exited {p.wait()} before ready: {p.stderr.read()}"
+        assert json.loads(line)["event"] == "ready"
         assert len(rank_processes(p.pid)) == 2
         os.kill(p.pid, sig)
         p.wait(timeout=30)
