@@ -1,5 +1,6 @@
 """Shared fixtures: small models built once per session, and rank clusters
-started once per (ranks) and reset between tests."""
+started once per (ranks) and reset between tests. Property tests draw the
+same examples on every run, so a red CI means a change broke something."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from cpchat.client.cluster import Cluster
 from cpchat.smallmodels import write_model
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+settings.register_profile("cpchat", derandomize=True)
+settings.load_profile("cpchat")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cpchat.core.attention import merge_partials, partial_attention
@@ -75,6 +75,7 @@ def run_blocks(q, k, v, scale, cuts, seed, tile, xp):
 @BACKENDS
 @settings(max_examples=60, deadline=None)
 @given(problem=problems())
+@example(problem=(1, 2, 31, 93, 16, [], 1e4, 15316, 4))  # the fused kernel itself is 1.06e-3 off here
 def test_merged_blocks_equal_fused_attention_float32(problem, xp):
     kv_heads, groups, lq, lk, d, cuts, magnitude, seed, tile = problem
     q, k, v = random_qkv(kv_heads, groups, lq, lk, d, seed, mx.float32)
@@ -83,8 +84,12 @@ def test_merged_blocks_equal_fused_attention_float32(problem, xp):
     expected = reference64(q, k, v, scale)
     assert out.dtype == mx.float32 and lse.dtype == mx.float32
     assert out.shape == expected.shape and lse.shape == expected.shape[:-1]
-    # scores of ~1e4 carry ~1e-3 of float32 rounding, which moves near-tied weights
-    assert np.abs(np.array(out) - expected).max() <= (1e-5 if magnitude <= 30 else 5e-4)
+    error = np.abs(np.array(out) - expected).max()
+    if magnitude <= 30:
+        assert error <= 1e-5
+    else:  # scores of ~1e4 carry ~1e-3 of float32 rounding, which moves near-tied weights:
+        fused = np.abs(np.array(reference(q, k, v, scale)) - expected).max()
+        assert error <= max(5e-4, 2 * fused)  # no worse than MLX's own fused float32 kernel
     assert mx.isfinite(lse).all().item()
 
 
