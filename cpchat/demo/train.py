@@ -409,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
                                                  args.min_len, args.p_copy, args.p_absent)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
+        # no draw at 1.0: the data stream, and so the earlier phases, stay reproducible
         temp = rng.uniform(args.attention_temp, 1.0) if args.attention_temp < 1 else 1.0
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args.bf16)):
             loss, qa_loss, copy_loss, em = loss_and_match(model, ids, mask, pos, qa, lengths,
