@@ -43,6 +43,7 @@ def test_bench_writes_results(tmp_path, model_dir):
         if row["system"] == "cpchat N=2":
             assert 0.0 <= row["hidden_share"] <= 1.0 and row["kv_bytes_per_rank"] > 0
     assert [t["block_mib"] for t in data["transport"]] == [1, 9]
-    assert all(t["grpc_ring_gb_s"] > 0 for t in data["transport"])
+    for t in data["transport"]:
+        assert t["grpc_ring_gb_s"] > 0 and t["grpc_bytes_only_gb_s"] > 0 and t["tcp_socket_gb_s"] > 0
     table = (out / "results.md").read_text()
     assert "| cpchat N=2 | openblas | 128 |" in table or "| cpchat N=2 | reference | 128 |" in table
