@@ -113,7 +113,7 @@ def _query_tile(xp: ModuleType, qt, kt, vf, qt_pos: np.ndarray, kp: np.ndarray, 
         k_lo, k_hi = int(kp[k0:k1].min()), int(kp[k0:k1].max())
         if k_lo > q_hi:
             continue  # every key in the future of every query
-        s = qt @ kt[..., k0:k1]
+        s = _scores(xp, qt, kt[..., k0:k1])
         if k_hi > q_lo:  # some pair is masked
             s = xp.where(xp.array(qt_pos[:, None] >= kp[None, k0:k1]), s, _NEG_INF)
         m_new = xp.maximum(m, s.max(axis=-1))
@@ -127,6 +127,14 @@ def _query_tile(xp: ModuleType, qt, kt, vf, qt_pos: np.ndarray, kp: np.ndarray, 
     out = acc / xp.where(seen, denom, 1.0)[..., None]
     lse = xp.where(seen, m + xp.log(xp.where(seen, denom, 1.0)), _NEG_INF)
     return out, lse
+
+
+def _scores(xp: ModuleType, qt, kt):
+    """qt @ kt. In numpy with kt a transposed view of the stored keys (few queries, as in
+    decode), (K @ qt^T)^T is the faster product: 88-96 vs 95-98 ms a decode token at 4K."""
+    if xp is np and kt.strides[-1] != kt.itemsize:
+        return np.ascontiguousarray((kt.swapaxes(-1, -2) @ qt.swapaxes(-1, -2)).swapaxes(-1, -2))
+    return qt @ kt
 
 
 def _exp_shifted(xp: ModuleType, s, shift):
