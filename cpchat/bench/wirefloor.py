@@ -2,7 +2,8 @@
 once, over a gRPC Python stream of ready-made bytes (nothing done to them on either end)
 and over a plain TCP socket. The ring's figures are read against these.
 
-Run as `python wirefloor.py PEER_RANK PORT0 PORT1 SIZES ROUNDS`; `floor_rates` starts both peers.
+Run as `python wirefloor.py PEER_RANK GRPC_PORT0 GRPC_PORT1 SOCKET_PORT SIZES ROUNDS`;
+`floor_rates` starts both peers.
 """
 
 from __future__ import annotations
@@ -17,18 +18,15 @@ import time
 from concurrent import futures
 
 MESSAGE_BYTES = 4 << 20  # the ring's frame size (wire.CHUNK_BYTES)
-
-
 Rates = dict[int, float]  # block bytes -> bytes/s per link
 
 
 def floor_rates(sizes: list[int], rounds: int, env: dict[str, str] | None = None) -> dict[str, Rates]:
     """{"grpc": rates, "socket": rates}, or {} if a peer failed."""
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    probes = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]  # three distinct free ports
+    ports = [p.getsockname()[1] for p in probes]
+    for p in probes:
+        p.close()
     args = [*map(str, ports), ",".join(map(str, sizes)), str(rounds)]
     cmds = [[sys.executable, __file__, str(rank), *args] for rank in (0, 1)]
     peers = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for cmd in cmds]
@@ -89,8 +87,8 @@ def grpc_rates(rank: int, ports: list[int], sizes: list[int], rounds: int) -> Ra
             for offset in range(0, size, MESSAGE_BYTES):
                 yield payload if size - offset >= MESSAGE_BYTES else payload[: size - offset]
 
-    link = channel.stream_unary("/floor.Pair/Link")
-    sender = threading.Thread(target=link, args=(messages(),), daemon=True)
+    stream = channel.stream_unary("/floor.Pair/Link")
+    sender = threading.Thread(target=stream, args=(messages(),), daemon=True)
     sender.start()
 
     def exchange(size: int) -> None:
@@ -104,12 +102,12 @@ def grpc_rates(rank: int, ports: list[int], sizes: list[int], rounds: int) -> Ra
     return rates
 
 
-def socket_rates(rank: int, ports: list[int], sizes: list[int], rounds: int) -> Rates:
+def socket_rates(rank: int, port: int, sizes: list[int], rounds: int) -> Rates:
     if rank == 0:
-        with socket.create_server(("127.0.0.1", ports[0])) as listener:
+        with socket.create_server(("127.0.0.1", port)) as listener:
             conn, _ = listener.accept()
     else:
-        conn = _connect(ports[0])
+        conn = _connect(port)
     source, sink = bytearray(max(sizes)), bytearray(max(sizes))
 
     def exchange(size: int) -> None:
@@ -117,7 +115,10 @@ def socket_rates(rank: int, ports: list[int], sizes: list[int], rounds: int) -> 
         sender.start()
         view, got = memoryview(sink), 0
         while got < size:
-            got += conn.recv_into(view[got:size])
+            n = conn.recv_into(view[got:size])
+            if not n:
+                raise ConnectionError("the other peer closed the socket")
+            got += n
         sender.join()
 
     with conn:
@@ -136,10 +137,10 @@ def _connect(port: int) -> socket.socket:
 
 
 def main() -> None:
-    rank, ports = int(sys.argv[1]), [int(sys.argv[2]), int(sys.argv[3])]
-    sizes, rounds = [int(s) for s in sys.argv[4].split(",")], int(sys.argv[5])
-    result = {"grpc": grpc_rates(rank, ports, sizes, rounds)}
-    result["socket"] = socket_rates(rank, ports, sizes, rounds)
+    rank, ports = int(sys.argv[1]), [int(p) for p in sys.argv[2:5]]
+    sizes, rounds = [int(s) for s in sys.argv[5].split(",")], int(sys.argv[6])
+    result = {"grpc": grpc_rates(rank, ports[:2], sizes, rounds)}
+    result["socket"] = socket_rates(rank, ports[2], sizes, rounds)
     if rank == 0:
         print(json.dumps(result), flush=True)
 
