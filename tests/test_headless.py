@@ -233,6 +233,22 @@ def test_rank_refuses_bad_tokens_and_second_generation(clusters, model_dir):
     assert len(tokens) == 3
 
 
+def test_stats_stream_reports_the_end_of_a_request_at_once(clusters, model_dir):
+    """The ranks panel must not say "busy" after the answer: a Stats stream that checks its
+    figures only every 10 s still sends the state change to "ready" as it happens."""
+    from cpchat.protocol import cpchat_pb2 as pb
+
+    cluster = clusters.get(2, model_dir("llama"))
+    stream = cluster.ranks[0].control.Stats(pb.StatsRequest(interval_s=10), timeout=5, metadata=cluster.metadata)
+    first = next(stream)
+    assert first.state == "ready"
+    assert len(cluster_tokens(cluster, [5, 6, 7])) == 3
+    # Within the 5 s deadline, long before the next 10 s check: the request's "busy", then "ready".
+    after = next(s for s in stream if s.state == "ready")
+    assert after.kv_tokens > first.kv_tokens
+    stream.cancel()
+
+
 def cluster_tokens(cluster, ids):
     from cpchat.protocol import cpchat_pb2 as pb
 

@@ -126,7 +126,8 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Live statistics, one message whenever they change (at most every interval).
+        """Live statistics: a message as soon as the state changes (idle, loading, ready, busy),
+        otherwise whenever the figures have changed, checked every interval.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

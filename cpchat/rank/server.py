@@ -84,12 +84,31 @@ class RankState:
         self.addresses: list[str] = []
         self.ring_id = ""
         self.ring: Ring | None = None
-        self.state = "idle"
+        self.changed = threading.Condition()  # Stats streams send a state change as it happens
+        self.changes = 0
+        self._state = "idle"
         self.busy = threading.Lock()
         self.abort: threading.Event | None = None
         self.request_id = ""
         self.activity = ""  # what holds `busy`, for refusals
         self.calibrations = 0
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        with self.changed:
+            self._state = value
+            self.changes += 1
+            self.changed.notify_all()
+
+    def wait_for_change(self, seen: int, timeout: float) -> int:
+        """Wait until the state has changed since `seen` changes, or timeout; the count now."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.changes != seen, timeout)
+            return self.changes
 
     # ---- ring
 
@@ -320,7 +339,7 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def Stats(self, request, context):
         interval = min(max(request.interval_s or 0.25, 0.05), 10.0)
-        last = None
+        last, changes = None, self.s.changes
         while context.is_active() and not self.stop.is_set():
             snapshot = self.s.stats()
             if snapshot != last:
@@ -328,7 +347,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                 last = snapshot
             if request.once:
                 return
-            time.sleep(interval)
+            changes = self.s.wait_for_change(changes, interval)
 
     def Reset(self, request, context):
         if not self.s.busy.acquire(blocking=False):
