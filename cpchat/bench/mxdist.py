@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import mlx.core as mx
+
+from cpchat.bench.wirefloor import sustained_rate
 
 
 def main() -> None:
@@ -16,17 +17,17 @@ def main() -> None:
     group = mx.distributed.init(backend="ring")
     rank = group.rank()
     send_stream, recv_stream = mx.new_stream(mx.cpu), mx.new_stream(mx.cpu)
-    results = {}
-    for size in sizes:
-        block = mx.zeros((size // 4,), mx.float32)
-        mx.eval(block)
-        for round_ in range(rounds + 1):  # the first one warms the link up, untimed
-            if round_ == 1:
-                t0 = time.perf_counter()
-            sent = mx.distributed.send(block, (rank + 1) % 2, group=group, stream=send_stream)
-            got = mx.distributed.recv_like(block, (rank + 1) % 2, group=group, stream=recv_stream)
-            mx.eval(sent, got)
-        results[size] = size * rounds / (time.perf_counter() - t0)
+    blocks: dict[int, mx.array] = {}
+
+    def exchange(size: int) -> None:
+        if size not in blocks:  # made in the untimed warm-up exchange
+            blocks.clear()
+            blocks[size] = mx.zeros((size // 4,), mx.float32)
+        sent = mx.distributed.send(blocks[size], (rank + 1) % 2, group=group, stream=send_stream)
+        got = mx.distributed.recv_like(blocks[size], (rank + 1) % 2, group=group, stream=recv_stream)
+        mx.eval(sent, got)
+
+    results = sustained_rate(exchange, sizes, rounds)
     if rank == 0:
         print(json.dumps(results), flush=True)
 

@@ -17,6 +17,8 @@ import threading
 import time
 from concurrent import futures
 
+import grpc
+
 MESSAGE_BYTES = 4 << 20  # the ring's frame size (wire.CHUNK_BYTES)
 Rates = dict[int, float]  # block bytes -> bytes/s per link
 
@@ -57,8 +59,6 @@ def sustained_rate(exchange, sizes: list[int], rounds: int) -> Rates:
 
 
 def grpc_rates(rank: int, ports: list[int], sizes: list[int], rounds: int) -> Rates:
-    import grpc
-
     received: queue.Queue[int] = queue.Queue()
     schedule = [size for size in sizes for _ in range(rounds + 1)]  # the peer sends the same blocks
 
