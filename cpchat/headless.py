@@ -13,6 +13,7 @@ from pathlib import Path
 from cpchat.cli import EXIT_BACKEND, EXIT_OK, EXIT_USAGE
 from cpchat.client.cluster import BackendError, BadInput, Cluster, parse_addresses, read_hostfile
 from cpchat.client.events import EVENT_NAMES, Error, RankAddress, Ready, Token
+from cpchat.client.hub import front_end_copy
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.client.settings import resolve_model, resolve_settings
 
@@ -92,7 +93,7 @@ def run_headless(args: argparse.Namespace) -> int:
         model_path, description = resolve_model(settings.model)
         if not settings.model:
             print(f"cpchat: using {description}", file=sys.stderr)
-        tokenizer = load_tokenizer(model_path)
+        tokenizer = load_tokenizer(front_end_copy(model_path, whole_model=not (args.attach or args.hostfile)))
         cluster = connect_cluster(args, settings.ranks)
         cluster.load(model_path)
         out.event(Ready(settings.model or "demo", [RankAddress(r.rank, r.address) for r in cluster.ranks]))

@@ -14,6 +14,7 @@ from cpchat.client.cluster import Cluster
 from cpchat.smallmodels import write_model
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-model"
 
 settings.register_profile("cpchat", derandomize=True)
 settings.load_profile("cpchat")
@@ -31,6 +32,36 @@ def model_dir(tmp_path_factory):
         return built[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(form) -> the trained demo model as people download checkpoints, made with
+    mlx_lm.convert: "bfloat16" / "float16" from the shipped float32 weights, "q4g64" (bits, group
+    size) quantized from the bfloat16 one, as published 4-bit models are. Trained weights give
+    clear greedy choices, so identical tokens are a fair demand in low precision."""
+    root = tmp_path_factory.mktemp("checkpoints")
+
+    def get(form: str) -> Path:
+        path = root / form
+        if not path.exists():
+            convert_model(DEMO_MODEL, path, form)
+        return path
+
+    return get
+
+
+def convert_model(source: Path, path: Path, form: str) -> None:
+    from mlx_lm import convert
+
+    if form in ("bfloat16", "float16"):
+        convert(str(source), str(path), dtype=form)
+        return
+    bits, group = (int(x) for x in form[1:].split("g"))
+    bf16 = path.parent / "bfloat16"
+    if not bf16.exists():
+        convert(str(source), str(bf16), dtype="bfloat16")
+    convert(str(bf16), str(path), quantize=True, q_bits=bits, q_group_size=group)
 
 
 class ClusterPool:

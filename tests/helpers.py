@@ -57,3 +57,33 @@ def prefill_event(events) -> Prefill:
 
 def done_event(events) -> Done:
     return next(e for e in events if isinstance(e, Done))
+
+
+
+def sequence_logprobs(model, sequence: list[int]) -> list[float]:
+    """log p(sequence[i + 1] | sequence[: i + 1]) for every i, from one forward of `model`."""
+    import mlx.core as mx
+
+    logits = model(mx.array([sequence[:-1]]))[0].astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return logprobs[mx.arange(len(sequence) - 1), mx.array(sequence[1:])].tolist()
+
+
+def low_precision_noise(path: Path, ids: list[int], expected: list[tuple[int, float]]) -> float:
+    """mlx-lm's own low-precision noise: the largest logprob difference between the checkpoint run in
+    its dtype and the same stored weights run in float32, over every position of the prompt and the
+    answer (teacher-forced), and over `expected` (mlx-lm's generation in the checkpoint's dtype)."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    model, _ = mlx_lm.load(str(path))
+    sequence = ids + [t for t, _ in expected]
+    in_dtype = sequence_logprobs(model, sequence)
+    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
+                          model.parameters()))
+    in_float32 = sequence_logprobs(model, sequence)
+    generated = in_float32[len(ids) - 1 :]
+    return max(
+        max(abs(a - b) for a, b in zip(in_dtype, in_float32, strict=True)),
+        max(abs(lp - b) for (_, lp), b in zip(expected, generated, strict=True)),
+    )

@@ -154,17 +154,14 @@ def test_unreachable_rank_exits_3(model_dir):
     one_line_error(result, 3, f"rank 0 (127.0.0.1:{port}) is unreachable")
 
 
-def test_unsupported_architecture_is_refused(tmp_path, model_dir):
-    """A sliding-window llama loads in mlx-lm but must not run context-parallel."""
-    import shutil
+def test_unsupported_architecture_is_refused(tmp_path):
+    """deepseek_v3 (MLA) loads in mlx-lm but must not run context-parallel: it is refused, saying why."""
+    from cpchat.smallmodels import write_model
 
-    path = tmp_path / "sliding"
-    shutil.copytree(model_dir("llama"), path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=16)
-    (path / "config.json").write_text(json.dumps(config))
+    path = write_model(tmp_path / "mla", "deepseek_v3")
     result = run(["--headless", "--model", str(path), "--prompt", "hi", "--ranks", "2"], timeout=90)
-    one_line_error(result, 2, "not supported for context parallelism")
+    one_line_error(result, 2, "deepseek_v3: layer 0 passes attention a mask of its own")
+    assert "not supported for context parallelism" in result.stderr
 
 
 def test_rank_refuses_public_bind_without_token_and_taken_port():
@@ -239,7 +236,8 @@ def test_stats_stream_reports_the_end_of_a_request_at_once(clusters, model_dir):
     from cpchat.protocol import cpchat_pb2 as pb
 
     cluster = clusters.get(2, model_dir("llama"))
-    stream = cluster.ranks[0].control.Stats(pb.StatsRequest(interval_s=10), timeout=5, metadata=cluster.metadata)
+    stream = cluster.ranks[0].control.Stats(pb.StatsRequest(interval_s=10), timeout=5,
+                                            metadata=cluster.metadata)
     first = next(stream)
     assert first.state == "ready"
     assert len(cluster_tokens(cluster, [5, 6, 7])) == 3

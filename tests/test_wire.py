@@ -6,13 +6,13 @@ from hypothesis import strategies as st
 
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import wire
-from cpchat.rank.wire import BlockAssembler, BlockKey, FrameError, block_frames, parse_frame
+from cpchat.rank.wire import BlockAssembler, BlockKey, FrameError, block_frames, parse_frame, to_host, to_mlx
 
 KEY = BlockKey("req", 3, 1, pb.KV)
 
 
 def frames_of(tensors, source_rank=2):
-    return [parse_frame(raw) for raw in block_frames("ring", KEY, source_rank, tensors)]
+    return [parse_frame(raw) for raw in block_frames("ring", KEY, source_rank, [to_host(a) for a in tensors])]
 
 
 def roundtrip(tensors):
@@ -20,7 +20,7 @@ def roundtrip(tensors):
     assembler = BlockAssembler(frames[0][0])
     results = [assembler.add(f, data) for f, data in frames]
     assert all(r is None for r in results[:-1])
-    return frames, results[-1]
+    return frames, [to_mlx(t) for t in results[-1]]
 
 
 @pytest.mark.parametrize("chunk_bytes", [wire.CHUNK_BYTES, 64])  # one frame, or gathered from chunks

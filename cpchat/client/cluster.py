@@ -212,8 +212,15 @@ class Cluster:
         def load_one(r: RankHandle) -> pb.LoadProgress:
             r.state = "loading"
             last = None
-            for progress in r.control.LoadModel(pb.LoadModelRequest(model=model), metadata=self.metadata):
-                last = progress
+            try:
+                for progress in r.control.LoadModel(pb.LoadModelRequest(model=model), metadata=self.metadata):
+                    last = progress
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                    raise
+                r.state = "ready"  # the rank keeps the model it had
+                # Attached ranks load from their own disks: say which one could not.
+                raise BadInput(e.details() if self.is_local else f"{r.label}: {e.details()}") from None
             r.state = "ready"
             with lock:
                 done[0] += 1
@@ -221,14 +228,7 @@ class Cluster:
                     on_progress(done[0], self.size)
             return last
 
-        try:
-            infos = self._each(load_one)
-        except BackendError as e:
-            if "cannot load model" in str(e) or "not supported" in str(e):
-                # Attached ranks load from their own disks: say which one could not.
-                raise BadInput(str(e).split(": ", 1)[-1] if self.is_local else str(e)) from None
-            raise
-        p = infos[0]
+        p = self._each(load_one)[0]
         self.model = ModelInfo(model, p.model_type, p.num_layers, p.num_q_heads, p.num_kv_heads,
                                p.vocab_size, p.bytes_per_element, p.max_context)
         results = self._each(lambda r: r.control.Calibrate(pb.CalibrateRequest(), timeout=30,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from cpchat.client.cluster import BadInput
+from cpchat.client.hub import is_hub_id
 
 REPO_ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
@@ -128,6 +129,8 @@ def demo_model() -> tuple[Path, str]:
 
 
 def resolve_model(model: str) -> tuple[str, str]:
+    """What the ranks load (an absolute directory, or a hub id they resolve themselves) and a
+    description; touches no network."""
     if not model:
         path, description = demo_model()
         return str(path), description
@@ -136,8 +139,6 @@ def resolve_model(model: str) -> tuple[str, str]:
         if not (path / "config.json").exists():
             raise BadInput(f"{model} is not an mlx-lm model directory (no config.json)")
         return str(path.resolve()), str(path)
-    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
-        raise BadInput(
-            f"model {model!r} is not a local directory, and this machine cannot download from a hub"
-        )
+    if is_hub_id(model):
+        return model, f"hub model {model}"
     raise BadInput(f"model path {model} does not exist")

@@ -2,9 +2,12 @@
 
 For one query row q and a set of keys K with values V,
 
-    s_j = scale * q . k_j          (only keys with k_pos <= q_pos)
+    s_j = scale * q . k_j          (only keys with 0 <= q_pos - k_pos < window)
     lse = log sum_j exp(s_j)
     out = sum_j exp(s_j - lse) v_j
+
+(window = infinity for full causal attention). Keys and values may differ in
+head size (MLA).
 
 Two partials over disjoint key sets merge exactly:
 
@@ -12,9 +15,13 @@ Two partials over disjoint key sets merge exactly:
     out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
 
 A row that saw no key has lse = -inf and out = 0, and contributes nothing.
+An attention sink (one learned logit per head, with no value) joins the
+normaliser once, after the merge: `add_sink`.
+
 Attention is computed in (query tile x key tile) blocks with an online softmax,
-so memory stays bounded; tiles wholly in the future are skipped and wholly
-visible tiles need no mask.
+so memory stays bounded; tiles wholly in the future or wholly out of the window
+are skipped and wholly visible tiles need no mask. Outputs stay float32 until
+the caller casts the merged result, so low-precision models round once.
 """
 
 from __future__ import annotations
@@ -40,8 +47,8 @@ def _positions(pos: mx.array | np.ndarray | list[int], length: int, name: str) -
 def _check_shapes(q: mx.array, k: mx.array, v: mx.array) -> None:
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be 4-D [B, H, L, D], got {q.shape}, {k.shape}, {v.shape}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v disagree in batch, heads or length: {k.shape} vs {v.shape}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"batch and head dim of q {q.shape} and k {k.shape} must match")
     if q.shape[1] % k.shape[1]:
@@ -55,19 +62,21 @@ def partial_attention(
     q_pos: mx.array | np.ndarray | list[int],
     k_pos: mx.array | np.ndarray | list[int],
     scale: float,
+    window: int | None = None,
     tile: int = TILE,
     xp: ModuleType | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Causal attention of q over (k, v) where key j is visible to query i iff
-    q_pos[i] >= k_pos[j]. Returns out [B, Hq, Lq, D] in q's dtype and
-    lse [B, Hq, Lq] in float32 (-inf, with out = 0, for rows that see no key).
+    0 <= q_pos[i] - k_pos[j] < window (no upper bound when window is None).
+    Returns out [B, Hq, Lq, Dv] and lse [B, Hq, Lq], both float32 (lse = -inf,
+    with out = 0, for rows that see no key).
 
     The tiles run in `xp`: numpy when MLX computes on the CPU (its SIMD exp is
     about 25x faster than MLX's CPU exp, which dominates the tile cost),
     otherwise mlx.core, on the accelerator."""
     _check_shapes(q, k, v)
     B, Hq, Lq, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     groups = Hq // Hkv
     qp = _positions(q_pos, Lq, "q_pos")
     kp = _positions(k_pos, Lk, "k_pos")
@@ -88,8 +97,8 @@ def partial_attention(
         qt = (qg[:, :, :, q0:q1] * scale).reshape(B, Hkv, groups * tq, D)
         # Bound the score block to about tile x tile per KV head: few queries (decode) get long key tiles.
         k_tile = max(tile, tile * tile // (groups * tq))
-        out, lse = _query_tile(xp, qt, kt, vf, np.tile(qp[q0:q1], groups), kp, k_tile)
-        out = out.reshape(B, Hkv, groups, tq, D)
+        out, lse = _query_tile(xp, qt, kt, vf, np.tile(qp[q0:q1], groups), kp, k_tile, window)
+        out = out.reshape(B, Hkv, groups, tq, Dv)
         lse = lse.reshape(B, Hkv, groups, tq)
         if xp is mx and Lq > tile:
             mx.eval(out, lse)  # bound memory: one query tile's graph at a time
@@ -98,24 +107,30 @@ def partial_attention(
 
     out = outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=3)
     lse = lses[0] if len(lses) == 1 else xp.concatenate(lses, axis=3)
-    return mx.array(out.reshape(B, Hq, Lq, D)).astype(q.dtype), mx.array(lse.reshape(B, Hq, Lq))
+    return mx.array(out.reshape(B, Hq, Lq, Dv)), mx.array(lse.reshape(B, Hq, Lq))
 
 
-def _query_tile(xp: ModuleType, qt, kt, vf, qt_pos: np.ndarray, kp: np.ndarray, k_tile: int):
+def _visible(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
+    delta = q_pos[:, None] - k_pos[None, :]
+    return (delta >= 0) if window is None else (delta >= 0) & (delta < window)
+
+
+def _query_tile(xp: ModuleType, qt, kt, vf, qt_pos: np.ndarray, kp: np.ndarray, k_tile: int,
+                window: int | None):
     """Online softmax of one query tile [B, Hkv, R, D] over the key tiles it can see."""
     q_lo, q_hi = int(qt_pos.min()), int(qt_pos.max())
     rows = qt.shape[:3]
     m = xp.full(rows, _NEG_INF, dtype=xp.float32)
     denom = xp.zeros(rows, dtype=xp.float32)
-    acc = xp.zeros(qt.shape, dtype=xp.float32)
+    acc = xp.zeros((*rows, vf.shape[-1]), dtype=xp.float32)
     for k0 in range(0, kp.shape[0], k_tile):
         k1 = min(k0 + k_tile, kp.shape[0])
         k_lo, k_hi = int(kp[k0:k1].min()), int(kp[k0:k1].max())
-        if k_lo > q_hi:
-            continue  # every key in the future of every query
+        if k_lo > q_hi or (window is not None and q_lo - k_hi >= window):
+            continue  # every key in the future of every query, or out of every query's window
         s = _scores(xp, qt, kt[..., k0:k1])
-        if k_hi > q_lo:  # some pair is masked
-            s = xp.where(xp.array(qt_pos[:, None] >= kp[None, k0:k1]), s, _NEG_INF)
+        if k_hi > q_lo or (window is not None and q_hi - k_lo >= window):  # some pair is masked
+            s = xp.where(xp.array(_visible(qt_pos, kp[k0:k1], window)), s, _NEG_INF)
         m_new = xp.maximum(m, s.max(axis=-1))
         m_safe = xp.where(m_new == _NEG_INF, 0.0, m_new)
         p = _exp_shifted(xp, s, m_safe[..., None])
@@ -165,3 +180,10 @@ def merge_partials(parts: list[tuple[mx.array, mx.array]]) -> tuple[mx.array, mx
     out = out / mx.where(seen, total, 1.0)[..., None]
     lse = mx.where(seen, m_safe + mx.log(mx.where(seen, total, 1.0)), _NEG_INF)
     return out.astype(dtype), lse
+
+
+def add_sink(out: mx.array, lse: mx.array, sinks: mx.array) -> mx.array:
+    """Attention over every key plus one sink per head (a logit with a zero value): the merged
+    output [B, H, L, Dv] rescaled by exp(lse - logaddexp(lse, sink)). Call it once, after the merge."""
+    sink = sinks.astype(mx.float32)[None, :, None]
+    return out * mx.exp(lse - mx.logaddexp(lse, sink))[..., None]

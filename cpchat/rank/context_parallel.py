@@ -10,16 +10,17 @@ and the model module's `scaled_dot_product_attention` is replaced by
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from types import ModuleType
 
 import mlx.core as mx
 import numpy as np
 
-from cpchat.core.attention import merge_partials, partial_attention
+from cpchat.core.attention import add_sink, merge_partials, partial_attention
 from cpchat.protocol import cpchat_pb2 as pb
+from cpchat.rank.fit import AttentionCall, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.ring import Ring
 from cpchat.rank.wire import BlockKey, block_nbytes
@@ -32,6 +33,16 @@ class StepTiming:
     compute_ms: float = 0.0
     wait_ms: float = 0.0
     bytes_sent: int = 0
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """One layer's attention call, as the ring algorithms need it."""
+
+    layer: int
+    scale: float
+    window: int | None
+    value_dim: int
 
 
 @dataclass
@@ -47,8 +58,10 @@ class RingPass:
     real: np.ndarray  # which flattened positions are real tokens
     store: bool  # whether this rank keeps the new tokens' K/V
     abort: threading.Event
+    windows: list[int | None]  # per layer: the sliding window, or None for full causal attention
     on_layer: object = None  # callable(layer) for progress
     timings: list[StepTiming] = field(default_factory=list)
+    calls: list[AttentionCall] = field(default_factory=list)  # what each layer asked of attention
 
     # ---- the two hooks the model calls
 
@@ -62,30 +75,37 @@ class RingPass:
         if k.shape[2]:
             self.kv.append(layer, k, v)
 
-    def attend(self, layer: int, queries: mx.array, scale: float) -> mx.array:
-        rows, heads, chunk, dim = queries.shape
+    def attend(self, layer: int, queries: mx.array, values: mx.array, scale: float,
+               sinks: mx.array | None, mask: object) -> mx.array:
+        """Attention of this rank's queries over every rank's keys; `values` are the new tokens'."""
+        rows, heads, chunk, _ = queries.shape
+        if isinstance(mask, mx.array):  # ShardCache makes no masks: this one carries the model's own scores
+            raise UnsupportedModel(f"layer {layer} passes attention a mask of its own (extra scores, as "
+                                   "MLA's RoPE scores), which the ring cannot apply across ranks")
+        self.calls.append(AttentionCall(layer, heads, sinks is not None))
+        call = LayerCall(layer, scale, self.windows[layer], values.shape[-1])
         q = _flatten_rows(queries)
         k, v, k_pos = self.kv.layer(layer)
         if self.ring.size > 1:  # blocks must be concrete before they travel
             mx.eval(q, *(a for a in (k, v) if a is not None))
         run = {"pass_kv": self._pass_kv, "pass_q": self._pass_q, "decode": self._gather_partials}[self.mode]
-        out = run(layer, q, k, v, k_pos, scale)
+        out, lse = run(call, q, k, v, k_pos)
+        if sinks is not None:
+            out = add_sink(out, lse, sinks)
         if self.on_layer is not None:
             self.on_layer(layer)
-        return out.reshape(heads, rows, chunk, dim).transpose(1, 0, 2, 3)
+        out = out.astype(queries.dtype)
+        return out.reshape(heads, rows, chunk, out.shape[-1]).transpose(1, 0, 2, 3)
 
     # ---- algorithms
 
-    def _local(self, q, q_pos, k, v, k_pos, scale):
+    def _timed_local(self, call: LayerCall, timing: StepTiming, q, q_pos, k, v, k_pos):
         if k is None or len(k_pos) == 0:
-            return _empty_partial(q)
-        return partial_attention(q, k, v, q_pos, k_pos, scale)
-
-    def _timed_local(self, timing: StepTiming, q, q_pos, k, v, k_pos, scale):
+            return _empty_partial(q, call.value_dim)
         if self.ring.size == 1:  # nothing to overlap or report: stay lazy, one graph per forward
-            return self._local(q, q_pos, k, v, k_pos, scale)
+            return partial_attention(q, k, v, q_pos, k_pos, call.scale, window=call.window)
         t0 = time.perf_counter()
-        out, lse = self._local(q, q_pos, k, v, k_pos, scale)
+        out, lse = partial_attention(q, k, v, q_pos, k_pos, call.scale, window=call.window)
         mx.eval(out, lse)
         timing.compute_ms += 1000 * (time.perf_counter() - t0)
         return out, lse
@@ -102,10 +122,10 @@ class RingPass:
         self.ring.send(key, tensors)
         timing.bytes_sent += block_nbytes(tensors)
 
-    def _pass_kv(self, layer, q, k, v, k_pos, scale):
+    def _pass_kv(self, call: LayerCall, q, k, v, k_pos):
         """Queries stay; every rank's K/V block visits every rank (N-1 hops).
         The block is forwarded before it is used, so the send overlaps compute."""
-        n = self.ring.size
+        n, layer = self.ring.size, call.layer
         parts = []
         block = None if k is None else [k, v, mx.array(k_pos)]
         for step in range(n):
@@ -118,19 +138,18 @@ class RingPass:
                 self._send(timing, self._key(layer, step, pb.KV), block or _empty_kv(q))
             if block is not None:
                 bk, bv, bpos = block
-                parts.append(self._timed_local(timing, q, self.q_positions, bk, bv, np.asarray(bpos), scale))
-        out, _ = merge_partials(parts) if parts else _empty_partial(q)
-        return out
+                parts.append(self._timed_local(call, timing, q, self.q_positions, bk, bv, np.asarray(bpos)))
+        return merge_partials(parts) if parts else _empty_partial(q, call.value_dim)
 
-    def _pass_q(self, layer, q, k, v, k_pos, scale):
+    def _pass_q(self, call: LayerCall, q, k, v, k_pos):
         """K/V stay; each rank's queries travel a full lap carrying their running
         (out, lse), merging one partial per rank, and come home (N hops)."""
-        n = self.ring.size
+        n, layer = self.ring.size, call.layer
         timing = StepTiming(layer, 0)
         self.timings.append(timing)
-        out, lse = self._timed_local(timing, q, self.q_positions, k, v, k_pos, scale)
+        out, lse = self._timed_local(call, timing, q, self.q_positions, k, v, k_pos)
         if n == 1:
-            return out
+            return out, lse
         q_pos = mx.array(self.q_positions)
         self._send(timing, self._key(layer, 0, pb.QUERY), [q, q_pos, out, lse])
         for step in range(1, n + 1):
@@ -138,19 +157,19 @@ class RingPass:
             self.timings.append(timing)
             vq, vq_pos, vout, vlse = self._take(timing, self._key(layer, step - 1, pb.QUERY))
             if step == n:
-                return vout  # our own queries, home with every rank's partial merged
-            mine = self._timed_local(timing, vq, np.asarray(vq_pos), k, v, k_pos, scale)
+                return vout, vlse  # our own queries, home with every rank's partial merged
+            mine = self._timed_local(call, timing, vq, np.asarray(vq_pos), k, v, k_pos)
             vout, vlse = merge_partials([(vout, vlse), mine])
             self._send(timing, self._key(layer, step, pb.QUERY), [vq, vq_pos, vout, vlse])
         raise AssertionError("unreachable")
 
-    def _gather_partials(self, layer, q, k, v, k_pos, scale):
+    def _gather_partials(self, call: LayerCall, q, k, v, k_pos):
         """Decode: every rank holds the same query; partial outputs go around the
         ring (all-gather) and are merged in rank order, so all ranks agree bit for bit."""
-        n = self.ring.size
+        n, layer = self.ring.size, call.layer
         timing = StepTiming(layer, 0)
         self.timings.append(timing)
-        parts = {self.ring.rank: self._timed_local(timing, q, self.q_positions, k, v, k_pos, scale)}
+        parts = {self.ring.rank: self._timed_local(call, timing, q, self.q_positions, k, v, k_pos)}
         block = list(parts[self.ring.rank])
         for step in range(n - 1):
             self._send(timing, self._key(layer, step, pb.PARTIAL), block)
@@ -158,8 +177,7 @@ class RingPass:
             self.timings.append(timing)
             block = self._take(timing, self._key(layer, step, pb.PARTIAL))
             parts[(self.ring.rank - step - 1) % n] = tuple(block)
-        out, _ = merge_partials([parts[r] for r in range(n)])
-        return out
+        return merge_partials([parts[r] for r in range(n)])
 
 
 class ShardCache:
@@ -185,20 +203,24 @@ def ring_attention(original):
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None):
         if isinstance(cache, ShardCache):
-            if sinks is not None:
-                raise NotImplementedError("attention sinks are not supported for context parallelism")
-            return cache.ring_pass.attend(cache.layer, queries, scale)
+            return cache.ring_pass.attend(cache.layer, queries, values, scale, sinks, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     attention.__wrapped__ = original
     return attention
 
 
-def install(module: ModuleType) -> None:
-    """Route the model module's attention through the ring (idempotent)."""
-    current = module.scaled_dot_product_attention
-    if not hasattr(current, "__wrapped__"):
-        module.scaled_dot_product_attention = ring_attention(current)
+def install() -> None:
+    """Route attention through the ring in every loaded mlx-lm model module that calls mlx-lm's
+    scaled_dot_product_attention (a model may use another family's attention class). Idempotent,
+    and a module's own attention runs unchanged for any cache but a ShardCache."""
+    from mlx_lm.models import base
+
+    original = base.scaled_dot_product_attention
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and module is not base \
+                and getattr(module, "scaled_dot_product_attention", None) is original:
+            module.scaled_dot_product_attention = ring_attention(original)
 
 
 def _flatten_rows(x: mx.array) -> mx.array:
@@ -209,8 +231,8 @@ def _flatten_rows(x: mx.array) -> mx.array:
     return x.transpose(1, 0, 2, 3).reshape(1, heads, rows * chunk, dim)
 
 
-def _empty_partial(q: mx.array) -> tuple[mx.array, mx.array]:
-    return mx.zeros(q.shape, q.dtype), mx.full(q.shape[:-1], float("-inf"))
+def _empty_partial(q: mx.array, value_dim: int) -> tuple[mx.array, mx.array]:
+    return mx.zeros((*q.shape[:-1], value_dim), mx.float32), mx.full(q.shape[:-1], float("-inf"))
 
 
 def _empty_kv(q: mx.array) -> list[mx.array]:

@@ -8,29 +8,23 @@ stores its K/V on one rank, chosen round-robin by position.
 
 from __future__ import annotations
 
-import importlib
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from cpchat.core.sharding import head_tail_layout, owner_of
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank import context_parallel
+from cpchat.rank import context_parallel, fit
 from cpchat.rank.context_parallel import RingPass, ShardCache, StepTiming
+from cpchat.rank.fit import LayerAttention, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
-from cpchat.rank.ring import Aborted, Ring
+from cpchat.rank.ring import Aborted, Mailbox, Ring
 from cpchat.rank.wire import BlockKey
-
-# mlx-lm model modules whose attention fits the hook (verified by the test suite).
-SUPPORTED_MODULES = ("llama", "qwen2", "qwen3")
-
-
-class UnsupportedModel(ValueError):
-    pass
 
 
 class BadRequest(ValueError):
@@ -40,48 +34,91 @@ class BadRequest(ValueError):
 @dataclass
 class ModelInfo:
     model_type: str
-    num_layers: int
+    num_layers: int  # attention layers, i.e. KV cache slots
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    bytes_per_element: int
+    bytes_per_element: int  # of the K/V the ranks hold and send
     max_context: int
+    layers: list[LayerAttention]
 
 
-def load_model(path: str):
-    """Load with mlx-lm and install ring attention; refuse architectures that do not fit."""
+def load_model(name: str):
+    """Load with mlx-lm (a directory, or a hub id `ORG/NAME[@revision]` resolved on this machine),
+    install ring attention, and find out what each layer's attention needs."""
     from mlx_lm import load
 
-    model, _tokenizer, config = load(path, return_config=True)
-    module_name = type(model).__module__.rsplit(".", 1)[-1]
-    if module_name not in SUPPORTED_MODULES:
-        raise UnsupportedModel(
-            f"model type {config.get('model_type', module_name)!r} is not supported for context parallelism "
-            f"(supported: {', '.join(SUPPORTED_MODULES)}, mistral)"
-        )
-    if any(getattr(layer, "use_sliding", False) for layer in model.layers):
-        raise UnsupportedModel("sliding-window attention is not supported for context parallelism")
-    context_parallel.install(importlib.import_module(type(model).__module__))
-    attn = model.layers[0].self_attn
-    weight = model.layers[0].self_attn.q_proj.weight
+    path, revision = (name, None) if Path(name).exists() else _split_revision(name)
+    try:
+        model, _tokenizer, config = load(path, return_config=True, revision=revision)
+    except ValueError as e:
+        if "not supported" in str(e):
+            raise UnsupportedModel(str(e)) from None
+        raise
+    context_parallel.install()
+    layers = fit.describe_layers(model, _probe_forward(model))
+    first = layers[0]
     info = ModelInfo(
-        model_type=config.get("model_type", module_name),
-        num_layers=len(model.layers),
-        num_q_heads=attn.n_heads,
-        num_kv_heads=attn.n_kv_heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // attn.n_heads,
-        vocab_size=config["vocab_size"],
-        bytes_per_element=weight.dtype.size if weight.dtype != mx.uint32 else 2,
+        model_type=config.get("model_type", type(model).__module__.rsplit(".", 1)[-1]),
+        num_layers=len(layers),
+        num_q_heads=first.query_heads,
+        num_kv_heads=first.key_heads,
+        head_dim=first.key_dim,
+        vocab_size=_vocab_size(model, config),
+        bytes_per_element=first.dtype_bytes,
         max_context=int(config.get("max_position_embeddings") or 0),
+        layers=layers,
     )
     return model, info
 
 
-def _logits(model, hidden: mx.array) -> mx.array:
-    if hasattr(model, "lm_head"):
-        return model.lm_head(hidden)
-    return model.model.embed_tokens.as_linear(hidden)
+def _split_revision(name: str) -> tuple[str, str | None]:
+    repo, _, revision = name.partition("@")
+    return repo, revision or None
+
+
+def _vocab_size(model, config: dict) -> int:
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    return int(vocab or model.model.embed_tokens.weight.shape[0])
+
+
+def _probe_forward(model) -> fit.ProbeResult:
+    """One forward through a ring of one rank, laid out as a prefill is (two rows of tokens at
+    different positions), recording what every layer's attention was given."""
+    slots = fit.cache_slots(model)
+    kv = KVShard(len(slots))
+    ring = Ring(0, 1, None, Mailbox(lambda frame, size: None))
+    chunk = 3
+    positions = np.arange(2 * chunk)
+    ring_pass = RingPass(
+        request_id="probe", mode="pass_kv", ring=ring, kv=kv, row_offsets=mx.array([0, chunk]),
+        q_positions=positions, real=np.ones(2 * chunk, bool), store=True,
+        abort=threading.Event(), windows=[s.window for s in slots],
+    )
+    kv.begin_append(positions)
+    try:
+        _run_model(model, ring_pass, mx.arange(2 * chunk).reshape(2, chunk), row=2 * chunk - 1)
+    except UnsupportedModel as e:
+        raise UnsupportedModel(f"{fit.model_name(model)}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - any failure means the hook does not fit this model
+        raise UnsupportedModel(
+            f"{fit.model_name(model)}: the model does not run with cpchat's context-parallel "
+            f"layout (rows of tokens at different positions, attention through the ring): "
+            f"{type(e).__name__}: {e}") from None
+    return fit.ProbeResult(slots, ring_pass.calls, kv)
+
+
+def _run_model(model, ring_pass: RingPass, ids: mx.array, row: int) -> mx.array:
+    """The model's own __call__ (so its output path — softcapping, logit scaling — runs as in
+    mlx-lm) over this rank's rows, with the head applied to one flattened row only."""
+    caches = [ShardCache(ring_pass, i) for i in range(ring_pass.kv.num_layers)]
+    with fit.head_on_row(model, row):
+        logits = model(ids, cache=caches)
+    mx.eval(logits)
+    if ring_pass.store:
+        ring_pass.kv.commit()
+    return logits[0, 0]
 
 
 def sample(logits: mx.array, sampling: pb.Sampling, index: int) -> tuple[int, float]:
@@ -123,13 +160,9 @@ class Engine:
 
     # ---- one forward pass
 
-    def _forward(self, ring_pass: RingPass, ids: mx.array) -> mx.array:
-        caches = [ShardCache(ring_pass, i) for i in range(self.info.num_layers)]
-        hidden = self.model.model(ids, cache=caches)
-        mx.eval(hidden)
-        if ring_pass.store:
-            self.kv.commit()
-        return hidden
+    @property
+    def windows(self) -> list[int | None]:
+        return [layer.window for layer in self.info.layers]
 
     def _prefill(
         self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, on_layer
@@ -152,15 +185,14 @@ class Engine:
             real=real,
             store=True,
             abort=abort,
+            windows=self.windows,
             on_layer=on_layer,
         )
-        hidden = self._forward(ring_pass, ids)
+        mine = owner_of(len(tokens) - 1, len(tokens), n) == ring.rank
+        logits = _run_model(self.model, ring_pass, ids, row=local.index(len(tokens) - 1) if mine else 0)
         self._record(ring_pass)
         self.total_tokens = start + len(tokens)
-        if owner_of(len(tokens) - 1, len(tokens), n) != ring.rank:
-            return None
-        last = local.index(len(tokens) - 1)
-        return _logits(self.model, hidden.reshape(-1, hidden.shape[-1])[last])
+        return logits if mine else None
 
     def _decode(
         self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, token: int
@@ -179,11 +211,12 @@ class Engine:
             real=np.array([True]),
             store=store,
             abort=abort,
+            windows=self.windows,
         )
-        hidden = self._forward(ring_pass, mx.array([[token]]))
+        logits = _run_model(self.model, ring_pass, mx.array([[token]]), row=0)
         self._record(ring_pass)
         self.total_tokens = position + 1
-        return _logits(self.model, hidden[0, -1]) if ring.rank == 0 else None
+        return logits if ring.rank == 0 else None
 
     def _record(self, ring_pass: RingPass) -> None:
         self.last_timings = ring_pass.timings

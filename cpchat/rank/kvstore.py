@@ -29,7 +29,8 @@ class KVShard:
     def nbytes(self) -> int:
         """Bytes of K and V held, from shapes alone (safe to call from the stats thread)."""
         n = len(self)
-        return sum(2 * n * k.shape[1] * k.shape[3] * k.dtype.size for k in self.keys if k is not None)
+        arrays = [a for a in self.keys + self.values if a is not None]
+        return sum(n * a.shape[1] * a.shape[3] * a.dtype.size for a in arrays)
 
     def begin_append(self, positions: np.ndarray) -> None:
         """Positions of the tokens the next forward will append (same for every layer)."""
@@ -42,8 +43,8 @@ class KVShard:
         buf = self.keys[layer]
         if buf is None or start + n_new > buf.shape[2]:
             capacity = (start + n_new + GROW - 1) // GROW * GROW
-            shape = (1, keys.shape[1], capacity, keys.shape[3])
-            new_k, new_v = mx.zeros(shape, keys.dtype), mx.zeros(shape, values.dtype)
+            new_k = mx.zeros((1, keys.shape[1], capacity, keys.shape[3]), keys.dtype)
+            new_v = mx.zeros((1, values.shape[1], capacity, values.shape[3]), values.dtype)  # MLA: own size
             if buf is not None and start:
                 new_k[..., :start, :] = buf[..., :start, :]
                 new_v[..., :start, :] = self.values[layer][..., :start, :]
@@ -53,7 +54,8 @@ class KVShard:
         self._lengths[layer] = start + n_new
 
     def commit(self) -> None:
-        """The forward finished: its positions now belong to the shard."""
+        """The forward finished: its K/V are computed and its positions belong to the shard."""
+        mx.eval([a for a in self.keys + self.values if a is not None])
         if self._pending is not None:
             self.positions = np.concatenate([self.positions, self._pending])
             self._pending = None

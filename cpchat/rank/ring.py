@@ -2,7 +2,8 @@
 blocks arriving from the previous one.
 
 Sending is asynchronous (a queue drained by gRPC's own thread), so the
-engine computes on one block while the next travels.
+engine computes on one block while the next travels. Tensors cross threads
+as `HostTensor`s: only the engine's thread makes MLX arrays.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import grpc
 import mlx.core as mx
 
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank.wire import BlockAssembler, BlockKey, FrameError, block_frames
+from cpchat.rank.wire import BlockAssembler, BlockKey, FrameError, HostTensor, block_frames, to_host, to_mlx
 
 _CLOSE = object()
 
@@ -54,7 +55,7 @@ class RingLink:
         if self.error:
             raise RingBroken(self.error)
         mx.eval(*tensors)
-        self._queue.put((key, tensors))
+        self._queue.put((key, [to_host(a) for a in tensors]))
 
     def close(self) -> None:
         self._queue.put(_CLOSE)
@@ -87,7 +88,7 @@ class Mailbox:
         self._validate = validate
         self._cond = threading.Condition()
         self._partial: dict[BlockKey, BlockAssembler] = {}
-        self._done: dict[BlockKey, list[mx.array]] = {}
+        self._done: dict[BlockKey, list[HostTensor]] = {}
         self._dead: set[str] = set()
         self.error: str | None = None
 
@@ -109,7 +110,7 @@ class Mailbox:
                 self._done[key] = tensors
                 self._cond.notify_all()
 
-    def take(self, key: BlockKey, abort: threading.Event, link: RingLink | None = None) -> list[mx.array]:
+    def take(self, key: BlockKey, abort: threading.Event, link: RingLink | None = None) -> list[HostTensor]:
         """Wait for a block; raise Aborted or RingBroken instead of waiting forever."""
         with self._cond:
             while key not in self._done:
@@ -155,7 +156,8 @@ class Ring:
         self.link.send(key, tensors)
 
     def take(self, key: BlockKey, abort: threading.Event) -> tuple[list[mx.array], float]:
-        """The block and the seconds spent waiting for it."""
+        """The block, as MLX arrays made on the caller's thread, and the seconds spent waiting for it."""
         t0 = time.perf_counter()
         tensors = self.mailbox.take(key, abort, self.link)
-        return tensors, time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        return [to_mlx(t) for t in tensors], waited

@@ -48,6 +48,7 @@ MAX_RING = 256  # ranks in one ring
 MAX_ID = 128  # characters in a request or ring id
 MAX_DIMS = 8
 WIND_DOWN_S = 5.0  # how long Configure waits for an aborted request to roll back
+CALIBRATE_TIMEOUT_S = 30.0
 _END = object()
 
 
@@ -92,6 +93,13 @@ class RankState:
         self.request_id = ""
         self.activity = ""  # what holds `busy`, for refusals
         self.calibrations = 0
+        # Every MLX operation of the rank runs on this one thread: an array made lazily on one
+        # thread cannot be evaluated on another (mlx-lm's RoPE tables, bfloat16 views, KV buffers).
+        self.mlx = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+
+    def on_mlx(self, fn, *args):
+        """Run fn on the MLX thread and wait for its result."""
+        return self.mlx.submit(fn, *args).result()
 
     @property
     def state(self) -> str:
@@ -128,7 +136,7 @@ class RankState:
             self.ring = Ring(rank, size, link, Mailbox(self.validate_frame))
             self.calibrations = 0  # probe ids must agree across the ring, a replacement rank included
             if self.engine.kv is not None:
-                self.engine.reset(0)
+                self.on_mlx(self.engine.reset, 0)
         finally:
             self.busy.release()
 
@@ -216,6 +224,8 @@ class RankState:
             return flops, float("inf")
         block = [mx.zeros((probe_bytes // 4,), mx.float32)]
         abort = threading.Event()
+        deadline = threading.Timer(CALIBRATE_TIMEOUT_S, abort.set)  # a hung neighbour frees the MLX thread
+        deadline.start()
         request_id = f"calibrate-{self.ring_id}-{self.calibrations}"
         self.calibrations += 1
         # The whole run is timed, not its best round: a neighbour that runs a round ahead
@@ -226,6 +236,7 @@ class RankState:
             key = BlockKey(request_id, 0, round_, pb.PROBE)
             self.ring.send(key, block)
             self.ring.take(key, abort)
+        deadline.cancel()
         self.ring.mailbox.forget(request_id)
         return flops, block[0].nbytes * rounds / (time.perf_counter() - t0)
 
@@ -268,10 +279,11 @@ class ControlServicer(pb_grpc.ControlServicer):
             self.s.activity, self.s.state = "loading a model", "loading"
             yield pb.LoadProgress(stage="loading")
             try:
-                info = self.s.engine.load(request.model)
+                info = self.s.on_mlx(self.s.engine.load, request.model)
             except UnsupportedModel as e:
                 self.s.state = "ready" if self.s.engine.model is not None else "idle"  # the old model stays
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{e} (not supported for context parallelism)")
             except Exception as e:  # noqa: BLE001 - any load failure is reported, not raised
                 self.s.state = "ready" if self.s.engine.model is not None else "idle"
                 context.abort(grpc.StatusCode.NOT_FOUND, f"cannot load model {request.model!r}: {e}")
@@ -288,8 +300,8 @@ class ControlServicer(pb_grpc.ControlServicer):
     def Calibrate(self, request, context):
         try:
             probe = min(request.probe_bytes or PROBE_BYTES, MAX_PROBE_BYTES)
-            flops, bandwidth = self.s.calibrate(probe, min(request.rounds, 20) or 3)
-        except RingBroken as e:
+            flops, bandwidth = self.s.on_mlx(self.s.calibrate, probe, min(request.rounds, 20) or 3)
+        except (RingBroken, Aborted) as e:
             context.abort(grpc.StatusCode.ABORTED, str(e))
         return pb.CalibrateReply(flops_per_s=flops, ring_bytes_per_s=min(bandwidth, 1e15))
 
@@ -313,7 +325,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             finally:
                 self.s.end()
 
-        threading.Thread(target=work, name=f"generate-{request.request_id}", daemon=True).start()
+        self.s.mlx.submit(work)
         while True:
             item = events.get()
             if item is _END or isinstance(item, Aborted):
@@ -354,7 +366,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "rank is busy; cancel the generation first")
         try:
             if self.s.engine.kv is not None:
-                self.s.engine.reset(request.keep_tokens)
+                self.s.on_mlx(self.s.engine.reset, request.keep_tokens)
         except BadRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:

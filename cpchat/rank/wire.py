@@ -3,6 +3,12 @@
 A block (a few tensors sharing one key) is cut into frames of at most
 CHUNK_BYTES; `BlockAssembler` puts them back together and validates every
 header against the bytes it carries.
+
+The transport threads never touch MLX: an MLX array made lazily on one thread
+cannot be evaluated on another ("There is no Stream(cpu, N) in current
+thread"), so tensors become `HostTensor`s (numpy) with `to_host` on the
+computing thread before they travel, and MLX arrays again with `to_mlx` on the
+thread that takes them.
 """
 
 from __future__ import annotations
@@ -46,14 +52,34 @@ class BlockKey:
     kind: int  # pb.FrameKind
 
 
-def tensor_bytes(a: mx.array) -> memoryview:
-    """A zero-copy view of an evaluated array's bytes."""
+@dataclass(frozen=True)
+class HostTensor:
+    """A tensor's bytes in host memory: `data` holds the wire dtype's numpy storage dtype."""
+
+    dtype: str
+    data: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def raw(self) -> memoryview:
+        return memoryview(self.data.reshape(-1).view(np.uint8))
+
+
+def to_host(a: mx.array) -> HostTensor:
+    """An array's bytes as numpy (zero-copy where MLX's buffer is contiguous); evaluates it."""
     if a.dtype not in _NAMES:
         raise FrameError(f"dtype {a.dtype} cannot travel the ring")
+    name = _NAMES[a.dtype]
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
-    host = np.ascontiguousarray(a)
-    return memoryview(host.reshape(-1).view(np.uint8))
+    return HostTensor(name, np.ascontiguousarray(a))
+
+
+def to_mlx(t: HostTensor) -> mx.array:
+    a = mx.array(t.data)
+    return a.view(DTYPES[t.dtype][1]) if t.dtype == "bfloat16" else a
 
 
 def _varint(n: int) -> bytes:
@@ -115,14 +141,14 @@ def parse_frame(raw: bytes) -> tuple[pb.Frame, memoryview]:
         raise FrameError(f"malformed frame header: {e}") from None
 
 
-def block_frames(ring_id: str, key: BlockKey, source_rank: int, tensors: list[mx.array]) -> Iterator[bytes]:
-    """Serialized `Frame` messages for one block; the arrays must already be evaluated.
+def block_frames(ring_id: str, key: BlockKey, source_rank: int, tensors: list[HostTensor]) -> Iterator[bytes]:
+    """Serialized `Frame` messages for one block.
 
     The header is serialized by protobuf and the data field appended by hand, so
-    each chunk's bytes are copied once, straight from the MLX buffer.
+    each chunk's bytes are copied once, straight from the tensor's buffer.
     """
-    for index, a in enumerate(tensors):
-        raw = tensor_bytes(a)
+    for index, t in enumerate(tensors):
+        raw = t.raw()
         count = max(1, -(-len(raw) // CHUNK_BYTES))
         for chunk in range(count):
             header = pb.Frame(
@@ -136,22 +162,22 @@ def block_frames(ring_id: str, key: BlockKey, source_rank: int, tensors: list[mx
                 tensor_count=len(tensors),
                 chunk_index=chunk,
                 chunk_count=count,
-                dtype=_NAMES[a.dtype],
-                shape=list(a.shape),
+                dtype=t.dtype,
+                shape=list(t.data.shape),
             ).SerializeToString()
             data = raw[chunk * CHUNK_BYTES : (chunk + 1) * CHUNK_BYTES]
             yield b"".join((header, _DATA_TAG, _varint(len(data)), data))
 
 
-def block_nbytes(tensors: list[mx.array]) -> int:
-    return sum(a.nbytes for a in tensors)
+def block_nbytes(tensors: list[HostTensor] | list[mx.array]) -> int:
+    return sum(t.nbytes for t in tensors)
 
 
 class BlockAssembler:
     """Collects the frames of one block; `add` returns the tensors once complete.
 
-    A tensor sent in one chunk goes straight from the received bytes into MLX;
-    one cut into chunks is gathered in a preallocated buffer first.
+    A tensor sent in one chunk is a view of the received bytes; one cut into
+    chunks is gathered in a preallocated buffer first.
     """
 
     def __init__(self, first: pb.Frame) -> None:
@@ -164,7 +190,7 @@ class BlockAssembler:
         self.seen: list[set[int]] = [set() for _ in range(self.count)]
         self.missing = 0  # chunks still expected for the tensors whose first frame arrived
 
-    def add(self, f: pb.Frame, data: memoryview) -> list[mx.array] | None:
+    def add(self, f: pb.Frame, data: memoryview) -> list[HostTensor] | None:
         """Add one frame: its parsed header and its data bytes (see `parse_frame`)."""
         if f.tensor_count != self.count or f.source_rank != self.source_rank:
             raise FrameError("frames of one block disagree on tensor_count or source_rank")
@@ -202,9 +228,8 @@ class BlockAssembler:
             return None
         return [self._tensor(i) for i in range(self.count)]
 
-    def _tensor(self, i: int) -> mx.array:
+    def _tensor(self, i: int) -> HostTensor:
         dtype, shape = self.headers[i]
-        storage, mlx_dtype = DTYPES[dtype]
-        a = mx.array(np.frombuffer(self.buffers[i], dtype=storage).reshape(shape))
+        data = np.frombuffer(self.buffers[i], dtype=DTYPES[dtype][0]).reshape(shape)
         self.buffers[i] = None
-        return a.view(mlx_dtype) if dtype == "bfloat16" else a
+        return HostTensor(dtype, data)

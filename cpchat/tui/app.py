@@ -26,6 +26,7 @@ from textual.widgets import Footer, Header, Markdown
 from cpchat.client.cluster import BackendError, BadInput, Cluster, ModelInfo
 from cpchat.client.documents import read_document, render_user_turn
 from cpchat.client.events import Done, Prefill, Progress, RankStats, Token
+from cpchat.client.hub import front_end_copy
 from cpchat.client.session import Message as SessionMessage
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.client.settings import Settings, data_dir, resolve_model, resolve_settings
@@ -58,7 +59,8 @@ from cpchat.tui.widgets import (
 )
 
 ALGORITHMS = ("auto", "pass_kv", "pass_q")
-WORK_LABELS = {"connect": "Starting ranks", "load": "Loading model on ranks", "prefill": "Prefill, layer"}
+WORK_LABELS = {"download": "Downloading model, bytes", "connect": "Starting ranks",
+               "load": "Loading model on ranks", "prefill": "Prefill, layer"}
 
 
 class CpchatApp(App[int]):
@@ -93,6 +95,7 @@ class CpchatApp(App[int]):
         super().__init__()
         self.settings, self.args = settings, args
         self.cluster, self.model_path = cluster, model_path
+        self.tokenizer_dir: str | None = None  # where the front end reads a hub model's tokenizer
         self.own_cluster = False
         self.resume, self.start_backend = resume, start_backend
         self.model: ModelInfo | None = None
@@ -151,6 +154,9 @@ class CpchatApp(App[int]):
             if self.cluster is None:
                 model_path, description = resolve_model(self.settings.model)
                 self.model_path = model_path
+                attached = bool(self.args and (self.args.attach or self.args.hostfile))
+                self.tokenizer_dir = front_end_copy(model_path, whole_model=not attached,
+                                                    progress=self._download_progress)
                 n = self.settings.ranks
                 self.post_message(WorkProgress("connect", 0, n))
                 from cpchat.headless import connect_cluster
@@ -164,12 +170,15 @@ class CpchatApp(App[int]):
             assert self.cluster is not None and self.model_path is not None
             if self.cluster.model is None:
                 self.cluster.load(self.model_path)
-            self.tokenizer = load_tokenizer(self.model_path)
+            self.tokenizer = load_tokenizer(self.tokenizer_dir or self.model_path)
             self.post_message(self._ready_message(description))
         except BadInput as e:
             self.post_message(BackendFailed(str(e), startup=True, exit_code=2))
         except BackendError as e:
             self.post_message(BackendFailed(str(e), startup=True, exit_code=3))
+
+    def _download_progress(self, done: int, total: int) -> None:
+        self.post_message(WorkProgress("download", done, total))
 
     def _load_progress(self, done: int, total: int) -> None:
         self.post_message(WorkProgress("load", done, total))

@@ -1,0 +1,138 @@
+"""What a model's attention needs, found out from the model itself rather than from its name.
+
+- `cache_slots`: mlx-lm's own `make_cache()` says what each attention layer keeps — a plain
+  `KVCache` (full causal attention), a `RotatingKVCache(max_size=W)` (a sliding window of W keys),
+  or a recurrent state (linear attention, state-space layers), which cpchat refuses by name.
+- `describe_layers`: one probe forward through a ring of one rank records, per layer, the query,
+  key and value heads and sizes, the K/V dtype, and whether attention sinks are passed; a layer
+  that computes attention by itself is refused (and `RingPass.attend` refuses a mask of its own).
+- `head_on_row`: runs the model's own `__call__` (its output path: tied or untied head, logit
+  softcapping and scaling) on one row of hidden states instead of all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import mlx.nn as nn
+
+if TYPE_CHECKING:
+    from cpchat.rank.kvstore import KVShard
+
+
+class UnsupportedModel(ValueError):
+    """The model needs something cpchat's ring cannot give exactly; the message says what."""
+
+
+@dataclass(frozen=True)
+class CacheSlot:
+    window: int | None  # keys with q_pos - k_pos < window are visible; None: every earlier key
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What one layer handed to scaled_dot_product_attention in the probe forward."""
+
+    layer: int
+    query_heads: int
+    sinks: bool
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    window: int | None
+    query_heads: int
+    key_heads: int
+    key_dim: int
+    value_dim: int
+    dtype_bytes: int
+    sinks: bool
+
+
+@dataclass
+class ProbeResult:
+    slots: list[CacheSlot]
+    calls: list[AttentionCall]
+    kv: KVShard
+
+
+def model_name(model: nn.Module) -> str:
+    return type(model).__module__.rsplit(".", 1)[-1]
+
+
+def cache_slots(model: nn.Module) -> list[CacheSlot]:
+    """One slot per cache the model's layers use, in the order the model takes them."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    if not hasattr(model, "make_cache"):
+        return [CacheSlot(None) for _ in model.layers]
+    slots = []
+    for i, cache in enumerate(model.make_cache()):
+        if type(cache) is KVCache:
+            slots.append(CacheSlot(None))
+        elif type(cache) is RotatingKVCache and cache.keep == 0:
+            slots.append(CacheSlot(int(cache.max_size)))
+        else:
+            layer = type(model.layers[i]).__name__ if i < len(model.layers) else f"cache {i}"
+            raise UnsupportedModel(
+                f"{model_name(model)}: layer {i} ({layer}) keeps a {type(cache).__name__}, not keys and "
+                "values cpchat can shard (recurrent state of linear-attention or state-space layers, chunked "
+                "or sink-keeping caches are not supported yet)"
+            )
+    return slots
+
+
+def describe_layers(model: nn.Module, probe: ProbeResult) -> list[LayerAttention]:
+    layers = []
+    for i, slot in enumerate(probe.slots):
+        calls = [c for c in probe.calls if c.layer == i]
+        keys, values, _ = probe.kv.layer(i)
+        if not calls or keys is None:
+            raise UnsupportedModel(f"{model_name(model)}: layer {i} computes attention without mlx-lm's "
+                                   "scaled_dot_product_attention, so it cannot be routed through the ring")
+        if len(calls) > 1:
+            raise UnsupportedModel(f"{model_name(model)}: layer {i} attends {len(calls)} times in a forward")
+        call = calls[0]
+        layers.append(LayerAttention(
+            window=slot.window, query_heads=call.query_heads, key_heads=keys.shape[1],
+            key_dim=keys.shape[3], value_dim=values.shape[3], dtype_bytes=keys.dtype.size, sinks=call.sinks,
+        ))
+    return layers
+
+
+def _inner_name(model: nn.Module) -> str:
+    """The child module that runs the layers (model.model, model.transformer, ...)."""
+    first = model.layers[0]  # `model.layers` may be a new list (a pipeline slice) of the same layers
+    for name, child in model.children().items():
+        if isinstance(child, nn.Module) and any(layer is first for layer in getattr(child, "layers", ())):
+            return name
+    raise UnsupportedModel(f"{model_name(model)}: cannot find the module that runs the layers")
+
+
+class _OneRow:
+    """Stands in for the inner model: runs it, and hands the head one flattened row."""
+
+    def __init__(self, inner: nn.Module, row: int) -> None:
+        self.inner, self.row = inner, row
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # the head may read it (tied embeddings)
+
+    def __call__(self, *args, **kwargs) -> mx.array:
+        hidden = self.inner(*args, **kwargs)
+        return hidden.reshape(-1, hidden.shape[-1])[self.row][None, None]
+
+
+@contextlib.contextmanager
+def head_on_row(model: nn.Module, row: int):
+    """Within this block, `model(ids, cache=...)` returns logits [1, 1, vocab] for one flattened row:
+    the inner model is shadowed by an instance attribute (MLX keeps child modules as dict items)."""
+    name = _inner_name(model)
+    object.__setattr__(model, name, _OneRow(model[name], row))
+    try:
+        yield
+    finally:
+        object.__delattr__(model, name)

@@ -1,0 +1,58 @@
+"""mlx-lm's catalogue through real ranks: every model type whose attention is softmax attention
+over RoPE'd keys runs exactly as mlx-lm's own single-process generation (tokens, and logprobs
+within 1e-3), through 2 ranks with pass-KV and 3 ranks with pass-Q, with prompts long enough to
+cross the sliding windows; what does not fit is refused by name with the reason."""
+
+import pytest
+from helpers import random_prompt, reference_generate, run_raw
+from test_exactness import assert_same
+
+from cpchat.client.cluster import BadInput
+from cpchat.smallmodels import ARCHITECTURES, LLAMA3_ROPE_SCALING, write_model
+
+REFUSED = {
+    "deepseek_v3": "mask of its own",  # MLA adds its RoPE scores through the mask argument
+    "internlm3": "context-parallel layout",  # dynamic NTK RoPE: its base depends on where the sequence ends
+}
+VARIANTS = {  # name -> (model type, options): the forms a family takes in published checkpoints
+    **{arch: (arch, {}) for arch in ARCHITECTURES if arch not in REFUSED},
+    "llama-rope-llama3": ("llama", {"rope_scaling": LLAMA3_ROPE_SCALING}),
+    "mistral-sliding": ("mistral", {"sliding_window": 8}),
+    "ministral3-sliding": ("ministral3", {"sliding_window": 8}),
+}
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def variant_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("variants")
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            arch, options = VARIANTS.get(name, (name, {}))
+            built[name] = write_model(root / name, arch, **options)
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize("ranks, algorithm", [(2, "pass_kv"), (3, "pass_q")])
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_architecture_matches_mlx_lm(clusters, variant_dir, name, ranks, algorithm):
+    path = variant_dir(name)
+    cluster = clusters.get(ranks, path)
+    for length in (1, 37):
+        ids = random_prompt(path, length, seed=length)
+        cluster.reset(0)
+        got, _, _ = run_raw(cluster, path, ids, algorithm, MAX_TOKENS)
+        assert_same(got, reference_generate(path, ids, MAX_TOKENS))
+
+
+@pytest.mark.parametrize("arch", sorted(REFUSED))
+def test_unsupported_attention_is_refused_by_name(clusters, variant_dir, arch):
+    cluster = clusters.get(2, variant_dir("llama"))
+    with pytest.raises(BadInput, match=REFUSED[arch]) as refusal:
+        cluster.load(str(variant_dir(arch)))
+    assert arch in str(refusal.value) and "\n" not in str(refusal.value)
+    clusters.loaded.pop(2)  # the ranks keep the old model; reload it for the next test

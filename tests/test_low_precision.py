@@ -1,0 +1,71 @@
+"""Checkpoints as people download them — bfloat16, float16, and 4- / 8-bit quantized from bfloat16
+with mlx_lm.convert — through real rank processes: greedy tokens identical to mlx-lm's own
+generation on the same checkpoint, and every logprob within 1.5x of mlx-lm's own low-precision
+noise (its logprobs in the checkpoint's dtype vs the same stored weights run in float32)."""
+
+import random
+
+import pytest
+from helpers import low_precision_noise, reference_generate, reference_model, run_raw
+
+from cpchat.demo.data import make_example
+
+FORMS = ("bfloat16", "float16", "q4g32", "q4g64", "q4g128", "q8g64")
+MAX_TOKENS = 16
+
+
+def assert_within_noise(path, ids, got, expected):
+    """`expected` is mlx-lm's generation, whose end-of-turn token cpchat does not emit."""
+    stop = set(reference_model(path)[1].eos_token_ids)
+    if expected[-1][0] in stop:
+        expected = expected[:-1]
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    noise = low_precision_noise(path, ids, expected)
+    worst = max(abs(a - b) for (_, a), (_, b) in zip(got, expected, strict=True))
+    assert worst <= 1.5 * noise, f"logprobs off by {worst:.4f}; mlx-lm's own noise is {noise:.4f}"
+
+
+def question_ids(path, seed: int, n_questions: int = 1) -> tuple[list[int], list[str]]:
+    """A demo document with a question, as chat-template token ids, and the later questions."""
+    example = make_example(random.Random(seed), 30, n_questions=n_questions)
+    _, tokenizer = reference_model(path)
+    first = example.messages()[0]
+    ids = tokenizer.apply_chat_template([first], add_generation_prompt=True)
+    return ids, [q for q, _ in example.turns[1:]]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("form", FORMS)
+def test_checkpoint_forms_through_ranks(clusters, checkpoint, form, ranks):
+    path = checkpoint(form)
+    cluster = clusters.get(ranks, path)
+    ids, _ = question_ids(path, seed=ranks)
+    expected = reference_generate(path, ids, MAX_TOKENS)
+    for algorithm in ("pass_kv", "pass_q"):
+        cluster.reset(0)
+        got, _, _ = run_raw(cluster, path, ids, algorithm, MAX_TOKENS)
+        assert_within_noise(path, ids, got, expected)
+
+
+@pytest.mark.parametrize("form", ["bfloat16", "q4g64"])
+def test_follow_up_turns_in_low_precision(clusters, checkpoint, form):
+    """Three questions about one document through 3 ranks, each later turn prefilling only its new
+    tokens, equal mlx-lm over the whole conversation."""
+    from cpchat.client.session import SamplingOptions, Session, load_tokenizer
+
+    path = checkpoint(form)
+    cluster = clusters.get(3, path)
+    _, tokenizer = reference_model(path)
+    session = Session(cluster, load_tokenizer(str(path)), raw=True, algorithm="auto",
+                      sampling=SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
+    ids, questions = question_ids(path, seed=11, n_questions=3)
+    turns = [ids] + [tokenizer.encode(f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n",
+                                      add_special_tokens=False) for q in questions]
+    history: list[int] = []
+    for new in turns:
+        events = list(session._generate(session.raw_history + new))
+        got = [(e.id, e.logprob) for e in events if hasattr(e, "logprob")]
+        history += new
+        assert_within_noise(path, history, got, reference_generate(path, history, MAX_TOKENS))
+        history += [t for t, _ in got]
+    assert cluster.size == 3 and session.turn_index == 3
