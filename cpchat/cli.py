@@ -18,7 +18,7 @@ def app_parser() -> argparse.ArgumentParser:
         description="Chat over very long contexts with context-parallel attention across rank processes.",
         epilog="Subcommands: 'cpchat rank --help' (serve a rank), 'cpchat bench --help' (benchmarks).",
     )
-    p.add_argument("--model", help="mlx-lm model directory (default: the built-in demo model)")
+    p.add_argument("--model", help="mlx-lm model directory or hub id ORG/NAME[@rev] (default: demo model)")
     p.add_argument("--ranks", type=int, default=None, help="launch N local rank processes (default 2)")
     ring = p.add_mutually_exclusive_group()
     ring.add_argument("--attach", metavar="ADDR,...", help="use running ranks, in ring order (host:port,...)")
@@ -39,6 +39,7 @@ def app_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="headless output as JSON lines")
     p.add_argument("--resume", action="store_true", help="reopen the last saved transcript (TUI)")
     p.add_argument("--print-config", action="store_true", help="show the settings and where each came from")
+    p.add_argument("--list-architectures", action="store_true", help="which model families work, and why not")
     return p
 
 
@@ -129,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = app_parser().parse_args(argv)
+    if args.list_architectures:
+        from cpchat.rank.catalogue import print_architectures
+
+        return print_architectures()
     if args.print_config:
         from cpchat.tui.config import print_config
 

@@ -247,6 +247,23 @@ FAMILIES: dict[str, Family] = {
             },
         },
     ),
+    "qwen3_next": Family(  # Qwen3-Next: Gated DeltaNet layers, a full-attention layer every 4th
+        config={
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "shared_expert_intermediate_size": lambda c: c["hidden_size"] // 2,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": lambda c: c["hidden_size"] // 2,
+            "partial_rotary_factor": 0.25,
+            "full_attention_interval": 2,
+        },
+    ),
     "deepseek_v3": Family(  # DeepSeek-V3: MLA, sigmoid-routed grouped experts after dense layers
         layers=3,
         max_positions=163840,
@@ -467,3 +484,20 @@ def _logit_multiplier(config: dict) -> float:
 def vocab_size_index(path: Path, token: str) -> int:
     vocab = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
     return next(t["id"] for t in vocab if t["content"] == token)
+
+
+def convert_model(source: Path, path: Path, form: str) -> Path:
+    """A checkpoint in one of the forms people download, made with mlx_lm.convert as they are:
+    "bfloat16" / "float16" from `source`, or "q4g64" (bits, group size) quantized from a bfloat16
+    copy (kept beside `path`), as published 4-bit models are quantized from bfloat16 weights."""
+    from mlx_lm import convert
+
+    if form in ("bfloat16", "float16"):
+        convert(str(source), str(path), dtype=form)
+        return path
+    bits, group = (int(x) for x in form[1:].split("g"))
+    bf16 = path.parent / f"{path.name}-bfloat16"
+    if not bf16.exists():
+        convert(str(source), str(bf16), dtype="bfloat16")
+    convert(str(bf16), str(path), quantize=True, q_bits=bits, q_group_size=group)
+    return path

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import settings
 
 from cpchat.client.cluster import Cluster
-from cpchat.smallmodels import write_model
+from cpchat.smallmodels import convert_model, write_model
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-model"
@@ -49,19 +49,6 @@ def checkpoint(tmp_path_factory):
         return path
 
     return get
-
-
-def convert_model(source: Path, path: Path, form: str) -> None:
-    from mlx_lm import convert
-
-    if form in ("bfloat16", "float16"):
-        convert(str(source), str(path), dtype=form)
-        return
-    bits, group = (int(x) for x in form[1:].split("g"))
-    bf16 = path.parent / "bfloat16"
-    if not bf16.exists():
-        convert(str(source), str(bf16), dtype="bfloat16")
-    convert(str(bf16), str(path), quantize=True, q_bits=bits, q_group_size=group)
 
 
 class ClusterPool:

@@ -11,6 +11,7 @@ from cpchat.client.cluster import BadInput
 from cpchat.smallmodels import ARCHITECTURES, LLAMA3_ROPE_SCALING, write_model
 
 REFUSED = {
+    "qwen3_next": "keeps its state in ArraysCache",  # Gated DeltaNet layers
     "deepseek_v3": "mask of its own",  # MLA adds its RoPE scores through the mask argument
     "internlm3": "context-parallel layout",  # dynamic NTK RoPE: its base depends on where the sequence ends
 }

@@ -21,6 +21,7 @@ from cpchat.core.sharding import head_tail_layout, owner_of
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import context_parallel, fit
 from cpchat.rank.context_parallel import RingPass, ShardCache, StepTiming
+from cpchat.rank.cpu_products import use_float32_products
 from cpchat.rank.fit import LayerAttention, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.ring import Aborted, Mailbox, Ring
@@ -57,6 +58,8 @@ def load_model(name: str):
             raise UnsupportedModel(str(e)) from None
         raise
     context_parallel.install()
+    if mx.default_device() == mx.cpu:
+        use_float32_products(model)
     layers = fit.describe_layers(model, _probe_forward(model))
     first = layers[0]
     info = ModelInfo(

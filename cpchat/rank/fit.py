@@ -78,9 +78,9 @@ def cache_slots(model: nn.Module) -> list[CacheSlot]:
         else:
             layer = type(model.layers[i]).__name__ if i < len(model.layers) else f"cache {i}"
             raise UnsupportedModel(
-                f"{model_name(model)}: layer {i} ({layer}) keeps a {type(cache).__name__}, not keys and "
-                "values cpchat can shard (recurrent state of linear-attention or state-space layers, chunked "
-                "or sink-keeping caches are not supported yet)"
+                f"{model_name(model)}: layer {i} ({layer}) keeps its state in {type(cache).__name__}, not as "
+                "keys and values cpchat can shard (the recurrent state of linear-attention and state-space "
+                "layers, chunked and sink-keeping caches are not supported yet)"
             )
     return slots
 
