@@ -91,8 +91,9 @@ def test_prefill_blocks_multiply_in_float32_on_the_cpu(checkpoint, form):
     native = type(layer)
     assert use_float32_products(model) == 7 * len(model.layers)  # q, k, v, o, gate, up, down
     x = mx.random.normal((1, MIN_ROWS, 256)).astype(mx.bfloat16)  # 256: the demo model's MLP width
-    weight = (mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=layer.group_size, bits=layer.bits)
-              if native is nn.QuantizedLinear else layer.weight)
+    weight = layer.weight
+    if native is nn.QuantizedLinear:
+        weight = mx.dequantize(weight, layer.scales, layer.biases, layer.group_size, layer.bits)
     exact = x.astype(mx.float32) @ weight.astype(mx.float32).T
     assert mx.allclose(layer(x).astype(mx.float32), exact, rtol=1e-2, atol=1e-2).item()
     one = x[:, :1]
