@@ -12,7 +12,6 @@ from cpchat.smallmodels import ARCHITECTURES, LLAMA3_ROPE_SCALING, write_model
 
 REFUSED = {
     "qwen3_next": "keeps its state in ArraysCache",  # Gated DeltaNet layers
-    "deepseek_v3": "mask of its own",  # MLA adds its RoPE scores through the mask argument
     "internlm3": "context-parallel layout",  # dynamic NTK RoPE: its base depends on where the sequence ends
 }
 VARIANTS = {  # name -> (model type, options): the forms a family takes in published checkpoints
@@ -57,3 +56,24 @@ def test_unsupported_attention_is_refused_by_name(clusters, variant_dir, arch):
         cluster.load(str(variant_dir(arch)))
     assert arch in str(refusal.value) and "\n" not in str(refusal.value)
     clusters.loaded.pop(2)  # the ranks keep the old model; reload it for the next test
+
+
+def test_a_mask_made_by_the_model_is_refused():
+    """cpchat's caches make no masks, so an array mask carries the model's own scores (as MLA's RoPE
+    scores did before cpchat had a latent-attention path): attention refuses it instead of ignoring it."""
+    import threading
+
+    import mlx.core as mx
+    import numpy as np
+
+    from cpchat.rank.context_parallel import RingPass, ShardCache, ring_attention
+    from cpchat.rank.fit import UnsupportedModel
+    from cpchat.rank.kvstore import KVShard
+    from cpchat.rank.ring import Mailbox, Ring
+
+    ring_pass = RingPass("r", "pass_kv", Ring(0, 1, None, Mailbox(lambda f, n: None)), KVShard(1), 0,
+                         np.arange(2), np.ones(2, bool), True, threading.Event(), windows=[None])
+    q = mx.zeros((1, 2, 2, 8))
+    attention = ring_attention(lambda *a, **k: None)
+    with pytest.raises(UnsupportedModel, match="layer 0 passes attention a mask of its own"):
+        attention(q, q, q, ShardCache(ring_pass, 0), 1.0, mask=mx.zeros((2, 2)))

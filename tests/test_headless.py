@@ -155,12 +155,13 @@ def test_unreachable_rank_exits_3(model_dir):
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
-    """deepseek_v3 (MLA) loads in mlx-lm but must not run context-parallel: it is refused, saying why."""
+    """qwen3_next (Gated DeltaNet layers) loads in mlx-lm but does not run context-parallel yet: it is
+    refused, saying why."""
     from cpchat.smallmodels import write_model
 
-    path = write_model(tmp_path / "mla", "deepseek_v3")
+    path = write_model(tmp_path / "hybrid", "qwen3_next")
     result = run(["--headless", "--model", str(path), "--prompt", "hi", "--ranks", "2"], timeout=90)
-    one_line_error(result, 2, "deepseek_v3: layer 0 passes attention a mask of its own")
+    one_line_error(result, 2, "qwen3_next: layer 0 (Qwen3NextDecoderLayer) keeps its state in ArraysCache")
     assert "not supported for context parallelism" in result.stderr
 
 

@@ -60,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="mlx-lm model directory (default: a random llama of --hidden/--layers)")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, help="query heads (default hidden/64); a quarter as many KV heads")
+    p.add_argument("--form", default="float32",
+                   help="float32, bfloat16, float16, or q4g64 (bits, group size), made with mlx_lm.convert")
     p.add_argument("--contexts", default="1024,2048,4096,8192,16384", help="comma-separated prompt lengths")
     p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
     p.add_argument("--decode", type=int, default=16, help="tokens to generate per run")
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.hidden, args.layers, args.contexts, args.ranks = 256, 4, "512,1024", "1,2"
         args.repeats, args.decode, args.transport = 1, 8, "1,16"
-    model = args.model or str(bench_model(args.hidden, args.layers))
+    model = args.model or str(bench_model(args.hidden, args.layers, args.heads, args.form))
     contexts = [int(c) for c in args.contexts.split(",") if c]
     ranks = [int(n) for n in args.ranks.split(",") if n]
     blas_modes = ["openblas", "reference"] if args.blas == "both" else [args.blas]
@@ -158,12 +161,14 @@ def ring_bandwidth(cluster: Cluster, probe_bytes: int, rounds: int = 3) -> float
     return min(c.result().ring_bytes_per_s for c in calls)
 
 
-def bench_model(hidden: int, layers: int) -> Path:
-    from cpchat.smallmodels import write_model
+def bench_model(hidden: int, layers: int, heads: int | None = None, form: str = "float32") -> Path:
+    """A random llama (cached), converted with mlx_lm.convert into `form`."""
+    from cpchat.smallmodels import convert_model, write_model
 
-    path = cache_dir() / f"bench-llama-h{hidden}-l{layers}"
-    if not (path / "model.safetensors").exists():
-        heads = max(4, hidden // 64)
+    heads = heads or max(4, hidden // 64)
+    name = f"bench-llama-h{hidden}-l{layers}-a{heads}"
+    path = cache_dir() / name
+    if not (path / "config.json").exists():
         write_model(
             path,
             "llama",
@@ -173,7 +178,12 @@ def bench_model(hidden: int, layers: int) -> Path:
             num_kv_heads=max(1, heads // 4),
             intermediate_size=hidden * 3,
         )
-    return path
+    if form == "float32":
+        return path
+    converted = cache_dir() / f"{name}-{form}"
+    if not (converted / "config.json").exists():
+        convert_model(path, converted, form)
+    return converted
 
 
 def report_progress(row: Row) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from cpchat.core.sharding import head_tail_layout, owner_of
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank import context_parallel, fit
+from cpchat.rank import context_parallel, fit, latent_attention
 from cpchat.rank.context_parallel import RingPass, ShardCache, StepTiming
 from cpchat.rank.cpu_products import use_float32_products
 from cpchat.rank.fit import LayerAttention, UnsupportedModel
@@ -58,6 +58,7 @@ def load_model(name: str):
             raise UnsupportedModel(str(e)) from None
         raise
     context_parallel.install()
+    latent_attention.adapt(model)
     if mx.default_device() == mx.cpu:
         use_float32_products(model)
     layers = fit.describe_layers(model, _probe_forward(model))

@@ -59,7 +59,7 @@ from cpchat.tui.widgets import (
 )
 
 ALGORITHMS = ("auto", "pass_kv", "pass_q")
-WORK_LABELS = {"download": "Downloading model, bytes", "connect": "Starting ranks",
+WORK_LABELS = {"download": "Downloading model, MiB", "connect": "Starting ranks",
                "load": "Loading model on ranks", "prefill": "Prefill, layer"}
 
 
@@ -177,8 +177,8 @@ class CpchatApp(App[int]):
         except BackendError as e:
             self.post_message(BackendFailed(str(e), startup=True, exit_code=3))
 
-    def _download_progress(self, done: int, total: int) -> None:
-        self.post_message(WorkProgress("download", done, total))
+    def _download_progress(self, done_bytes: int, total_bytes: int) -> None:
+        self.post_message(WorkProgress("download", done_bytes >> 20, total_bytes >> 20))
 
     def _load_progress(self, done: int, total: int) -> None:
         self.post_message(WorkProgress("load", done, total))
