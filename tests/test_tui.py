@@ -316,3 +316,48 @@ async def test_dead_rank_turns_red_and_relaunch_continues(make_app, clusters):
             assert len(app.session.messages) == 4
     finally:
         clusters.drop(RANKS)
+
+
+class ProgressApp(CpchatApp):
+    """Records the phases of long work the app showed."""
+
+    def on_work_progress(self, message) -> None:
+        self.phases = getattr(self, "phases", [])
+        self.phases.append((message.phase, message.done, message.total))
+
+
+async def test_hub_model_downloads_with_progress_then_answers(model, tmp_path, monkeypatch):
+    """`--model ORG/NAME` not yet in the hub cache: the app downloads it (the one stubbed part: the
+    network; the files land in a real hub cache layout) with progress in the work bar, then its own
+    local ranks load the id from that cache, offline, and answer."""
+    import shutil
+
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the ranks must find the model in the cache
+    repo = tmp_path / "hf" / "hub" / "models--acme--tiny-chat"
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, local_files_only=False,
+                          tqdm_class=None):
+        if local_files_only:
+            raise LocalEntryNotFoundError("not cached yet")
+        bar = tqdm_class(total=3 << 20, unit="B")
+        for _ in range(3):
+            bar.update(1 << 20)
+        bar.close()
+        shutil.copytree(model, repo / "snapshots" / ("a" * 40))
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("a" * 40)
+        return str(repo / "snapshots" / ("a" * 40))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    app = ProgressApp(Settings(model="acme/tiny-chat", ranks=RANKS, max_tokens=4, seed=1),
+                      transcripts=tmp_path / "transcripts")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert [p for p in app.phases if p[0] == "download"] == [("download", n, 3) for n in (1, 2, 3)]
+        assert "tiny-chat" in app.sub_title
+        await send(pilot, "hello")
+        assert assistant_messages(app) and app.cluster.model.name == "acme/tiny-chat"

@@ -38,7 +38,7 @@ class BackendFailed(Message):
 
 
 class WorkProgress(Message):
-    """Long work under way: phase "connect", "load" or "prefill"; done of total."""
+    """Long work under way: phase "download" (MiB), "connect", "load" or "prefill"; done of total."""
 
     def __init__(self, phase: str, done: int, total: int) -> None:
         super().__init__()
