@@ -12,7 +12,6 @@ from cpchat.smallmodels import ARCHITECTURES, LLAMA3_ROPE_SCALING, write_model
 
 REFUSED = {
     "qwen3_next": "keeps its state in ArraysCache",  # Gated DeltaNet layers
-    "internlm3": "context-parallel layout",  # dynamic NTK RoPE: its base depends on where the sequence ends
 }
 VARIANTS = {  # name -> (model type, options): the forms a family takes in published checkpoints
     **{arch: (arch, {}) for arch in ARCHITECTURES if arch not in REFUSED},
@@ -77,3 +76,13 @@ def test_a_mask_made_by_the_model_is_refused():
     attention = ring_attention(lambda *a, **k: None)
     with pytest.raises(UnsupportedModel, match="layer 0 passes attention a mask of its own"):
         attention(q, q, q, ShardCache(ring_pass, 0), 1.0, mask=mx.zeros((2, 2)))
+
+
+def test_length_dependent_rope_is_served_up_to_its_exact_length(clusters, variant_dir):
+    """internlm3's dynamic-NTK RoPE rescales past max_position_embeddings (64 in the tiny model) with
+    the length of the block being rotated, so mlx-lm's own answer there depends on how it cuts the
+    prompt: within it cpchat matches mlx-lm (test above), past it the request is refused, saying why."""
+    path = variant_dir("internlm3")
+    cluster = clusters.get(2, path)
+    with pytest.raises(BadInput, match="serves it up to 64 tokens"):
+        run_raw(cluster, path, random_prompt(path, 60, seed=1), "pass_kv", MAX_TOKENS)

@@ -81,6 +81,7 @@ class GenerationWatch:
     layer: int = 0
     tokens: int = 0
     failure: str | None = None
+    refused: bool = False  # the ranks refused the request itself (INVALID_ARGUMENT): bad input
     results: dict[int, RankResult] = field(default_factory=dict)
 
 
@@ -324,7 +325,7 @@ class Cluster:
             for f in readers:
                 f.result()
             if watch.failure:
-                raise BackendError(watch.failure)
+                raise (BadInput if watch.refused else BackendError)(watch.failure)
             done = watch.results[0].done
             yield pb.GenerateEvent(done=done)
         finally:
@@ -361,6 +362,7 @@ class Cluster:
                 r.state = "ready"
                 events.put(("ring", (r, e)))
             else:
+                watch.refused = watch.refused or code == grpc.StatusCode.INVALID_ARGUMENT
                 gone = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 r.state = "failed" if gone else "ready"
                 result.error = self._describe(r, e, self._phase(watch))

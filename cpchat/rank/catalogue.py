@@ -30,6 +30,8 @@ def describe(arch: str, root: Path) -> str:
         traits.append("attention sinks")
     if any(layer.value_dim != layer.key_dim for layer in layers):
         traits.append("value size differs from key size")
+    if info.exact_tokens:
+        traits.append(f"up to {info.exact_tokens} tokens (its RoPE scales with the sequence length)")
     return "works: " + ", ".join(traits)
 
 

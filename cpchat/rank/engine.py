@@ -43,6 +43,7 @@ class ModelInfo:
     bytes_per_element: int  # of the K/V the ranks hold and send
     max_context: int
     layers: list[LayerAttention]
+    exact_tokens: int | None  # past this, mlx-lm's own RoPE depends on how it cuts the prompt
 
 
 def load_model(name: str):
@@ -59,6 +60,8 @@ def load_model(name: str):
         raise
     context_parallel.install()
     latent_attention.adapt(model)
+    max_positions = int(config.get("max_position_embeddings") or 0)
+    exact_tokens = fit.fit_rotary(model, max_positions)
     if mx.default_device() == mx.cpu:
         use_float32_products(model)
     layers = fit.describe_layers(model, _probe_forward(model))
@@ -71,8 +74,9 @@ def load_model(name: str):
         head_dim=first.key_dim,
         vocab_size=_vocab_size(model, config),
         bytes_per_element=first.dtype_bytes,
-        max_context=int(config.get("max_position_embeddings") or 0),
+        max_context=max_positions,
         layers=layers,
+        exact_tokens=exact_tokens,
     )
     return model, info
 
@@ -238,6 +242,11 @@ class Engine:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
         if req.keep_tokens > self.total_tokens:
             raise BadRequest(f"cannot keep {req.keep_tokens} tokens: the ring holds {self.total_tokens}")
+        limit = self.info.exact_tokens
+        if limit and req.keep_tokens + len(req.tokens) + req.max_tokens > limit:
+            raise BadRequest(f"{self.info.model_type}'s RoPE changes with the sequence length past {limit} "
+                             "tokens (dynamic scaling), where mlx-lm's own answer depends on how it cuts the "
+                             f"prompt: cpchat serves it up to {limit} tokens, prompt and answer together")
 
     def generate(
         self,

@@ -6,6 +6,8 @@
 - `describe_layers`: one probe forward through a ring of one rank records, per layer, the query,
   key and value heads and sizes, the K/V dtype, and whether attention sinks are passed; a layer
   that computes attention by itself is refused (and `RingPass.attend` refuses a mask of its own).
+- `fit_rotary`: a RoPE that cannot take per-row offsets is called once per row, and one whose
+  rotation depends on the sequence length (dynamic NTK) bounds the context cpchat serves exactly.
 - `head_on_row`: runs the model's own `__call__` (its output path: tied or untied head, logit
   softcapping and scaling) on one row of hidden states instead of all of them.
 """
@@ -83,6 +85,57 @@ def cache_slots(model: nn.Module) -> list[CacheSlot]:
                 "layers, chunked and sink-keeping caches are not supported yet)"
             )
     return slots
+
+
+class PerRowRope:
+    """Mixed into a RoPE class that takes only a scalar offset: one call per row of a batch."""
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        rotate = super().__call__
+        if isinstance(offset, mx.array) and offset.size > 1:
+            return mx.concatenate([rotate(x[i : i + 1], o) for i, o in enumerate(offset.tolist())], axis=0)
+        return rotate(x, offset)
+
+
+def _rotates_rows(rope: nn.Module, dims: int) -> bool:
+    try:
+        mx.eval(rope(mx.ones((2, 1, 3, dims)), offset=mx.array([0, 3])))
+        return True
+    except Exception:  # noqa: BLE001 - whatever it raises, it cannot
+        return False
+
+
+def _length_free(rope: nn.Module, dims: int, position: int) -> bool:
+    """Does the token at `position` rotate the same alone as with another token after it?"""
+    x = mx.random.normal((1, 1, 2, dims), key=mx.random.key(0))
+    pair, alone = rope(x, offset=position)[..., :1, :], rope(x[..., :1, :], offset=position)
+    return mx.allclose(pair, alone, rtol=1e-5, atol=1e-5).item()
+
+
+def fit_rotary(model: nn.Module, max_positions: int) -> int | None:
+    """Make every RoPE of the model take per-row offsets; the number of tokens up to which all of
+    them rotate a token the same whatever the length of the block it comes in (None: any number).
+    Past that, mlx-lm's own answer depends on how it cuts the prompt, so there is nothing exact to give."""
+    limit = None
+    ropes = {id(m.rope): m.rope for _, m in model.named_modules()
+             if isinstance(getattr(m, "rope", None), nn.Module)}
+    for rope in ropes.values():
+        dims = getattr(rope, "dims", None)
+        if not isinstance(dims, int):
+            continue
+        if not _rotates_rows(rope, dims):
+            cls = type(rope)
+            rope.__class__ = _per_row.setdefault(cls, type(cls.__name__, (PerRowRope, cls), {}))
+        far = 4 * max_positions or 1 << 20
+        if not _length_free(rope, dims, far):
+            if not max_positions or not _length_free(rope, dims, max_positions - 2):
+                raise UnsupportedModel(f"{model_name(model)}: its RoPE ({type(rope).__name__}) rotates a "
+                                       "token differently depending on the length of the sequence")
+            limit = max_positions
+    return limit
+
+
+_per_row: dict[type, type] = {}
 
 
 def describe_layers(model: nn.Module, probe: ProbeResult) -> list[LayerAttention]:
