@@ -124,8 +124,7 @@ def fit_rotary(model: nn.Module, max_positions: int) -> int | None:
         if not isinstance(dims, int):
             continue
         if not _rotates_rows(rope, dims):
-            cls = type(rope)
-            rope.__class__ = _per_row.setdefault(cls, type(cls.__name__, (PerRowRope, cls), {}))
+            mix_in(rope, PerRowRope)
         far = 4 * max_positions or 1 << 20
         if not _length_free(rope, dims, far):
             if not max_positions or not _length_free(rope, dims, max_positions - 2):
@@ -135,7 +134,15 @@ def fit_rotary(model: nn.Module, max_positions: int) -> int | None:
     return limit
 
 
-_per_row: dict[type, type] = {}
+_mixed: dict[tuple[type, type], type] = {}
+
+
+def mix_in(module: nn.Module, mixin: type) -> None:
+    """Give one module a subclass of its own class with `mixin` first: the mixin's methods run and
+    reach the model's own through super(); parameters and state stay where they are."""
+    cls = type(module)
+    if not issubclass(cls, mixin):
+        module.__class__ = _mixed.setdefault((mixin, cls), type(cls.__name__, (mixin, cls), {}))
 
 
 def describe_layers(model: nn.Module, probe: ProbeResult) -> list[LayerAttention]:

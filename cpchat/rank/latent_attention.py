@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cpchat.rank.context_parallel import ShardCache
+from cpchat.rank.fit import mix_in
 
 _PARTS = ("kv_a_proj_with_mqa", "kv_a_layernorm", "embed_q", "unembed_out", "rope", "o_proj")
 
@@ -47,21 +48,13 @@ class LatentAttention:
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-_adapted: dict[type, type] = {}
-
-
 def is_latent(module: nn.Module) -> bool:
     return all(hasattr(module, part) for part in _PARTS) and hasattr(module, "kv_lora_rank")
 
 
 def adapt(model: nn.Module) -> int:
     """Route every MLA layer of the model through the ring; how many there are."""
-    count = 0
-    for _, module in model.named_modules():
-        if is_latent(module) and not isinstance(module, LatentAttention):
-            cls = type(module)
-            if cls not in _adapted:
-                _adapted[cls] = type(cls.__name__, (LatentAttention, cls), {})
-            module.__class__ = _adapted[cls]
-            count += 1
-    return count
+    latent = [module for _, module in model.named_modules() if is_latent(module)]
+    for module in latent:
+        mix_in(module, LatentAttention)
+    return len(latent)
