@@ -86,3 +86,43 @@ def test_length_dependent_rope_is_served_up_to_its_exact_length(clusters, varian
     cluster = clusters.get(2, path)
     with pytest.raises(BadInput, match="serves it up to 64 tokens"):
         run_raw(cluster, path, random_prompt(path, 60, seed=1), "pass_kv", MAX_TOKENS)
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss"])
+def test_sliding_layers_forget_old_keys_and_turns_stay_exact(clusters, variant_dir, name):
+    """Sliding-window layers drop the keys no later query can see: three turns through 3 ranks hold
+    less K/V than full layers would, and still equal mlx-lm over the whole history; a turn that
+    would keep fewer tokens than the windows allow re-prefills everything, and is exact too."""
+    from cpchat.client.session import SamplingOptions, Session, load_tokenizer
+
+    path = variant_dir(name)
+    cluster = clusters.get(3, path)
+    session = Session(cluster, load_tokenizer(str(path)), raw=True, algorithm="auto",
+                      sampling=SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
+    history: list[int] = []
+    for turn, length in enumerate((90, 30, 7)):
+        new = random_prompt(path, length, seed=300 + turn)
+        events = list(session._generate(session.raw_history + new))
+        got = [(e.id, e.logprob) for e in events if hasattr(e, "logprob")]
+        history += new
+        assert_same(got, reference_generate(path, history, MAX_TOKENS))
+        history += [t for t, _ in got]
+        done = events[-1]
+        assert session.keep_floor == len(history) - len(got)  # the end of this turn's prompt
+    full = full_kv_bytes(cluster, path, len(history))
+    assert sum(r.kv_bytes for r in done.ranks) < 0.6 * full
+    # Keep fewer tokens than the windows allow (as when a chat template rewrites the last answer):
+    shorter = history[: session.keep_floor - 3] + random_prompt(path, 5, seed=9)
+    events = list(session._generate(shorter))
+    assert next(e for e in events if type(e).__name__ == "Prefill").cached_tokens == 0
+    assert_same([(e.id, e.logprob) for e in events if hasattr(e, "logprob")],
+                reference_generate(path, shorter, MAX_TOKENS))
+
+
+def full_kv_bytes(cluster, path, tokens: int) -> int:
+    """What every layer holding every token's K/V would take."""
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    per_token = 2 * config["num_key_value_heads"] * config["head_dim"] * 4 * cluster.model.num_layers
+    return tokens * per_token

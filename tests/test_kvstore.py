@@ -47,3 +47,24 @@ def test_truncate_keeps_positions_below_in_any_order():
     k, _, pos = shard.layer(0)
     assert pos.tolist() == [0, 1, 6, 2]
     assert k[0, 0, :, 0].tolist() == [0, 1, 2, 4]
+
+
+def test_a_layer_forgets_its_own_keys_and_the_shard_keeps_its_tokens():
+    shard = KVShard(num_layers=2)
+    shard.begin_append(np.arange(6))
+    for layer in range(2):
+        shard.append(layer, *kv(6))
+    shard.commit()
+    full_bytes = shard.nbytes
+    shard.forget(1, np.arange(6) < 4)  # a window of 2: positions 0-3 are out of sight from 6 on
+    assert len(shard) == 6 and shard.layer(1)[2].tolist() == [4, 5]
+    assert shard.layer(0)[2].tolist() == list(range(6))
+    assert shard.layer(1)[0][0, 0, :, 0].tolist() == [4, 5] and shard.nbytes == full_bytes * 8 // 12
+    shard.begin_append(np.array([6]))
+    for layer in range(2):
+        shard.append(layer, *kv(1, 6))
+    shard.commit()
+    assert shard.layer(1)[2].tolist() == [4, 5, 6] and shard.layer(1)[0][0, 0, :, 0].tolist() == [4, 5, 6]
+    shard.truncate(5)
+    assert len(shard) == 5 and shard.layer(1)[2].tolist() == [4]
+    assert shard.layer(0)[2].tolist() == list(range(5))

@@ -73,6 +73,7 @@ class Session:
         self.messages: list[Message] = []
         self.raw_history: list[int] = []  # --raw: every prompt and generated token so far
         self.held: list[int] = []  # tokens whose K/V the ring holds
+        self.keep_floor = 0  # a later turn keeps at least this many held tokens, or none
         self.turn_index = 0
         self.last_choice: AlgorithmChoice | None = None
         self._cancel = threading.Event()
@@ -121,12 +122,14 @@ class Session:
         """Continue on another cluster (e.g. relaunched ranks): the next turn re-prefills everything."""
         self.cluster = cluster
         self.held = []
+        self.keep_floor = 0
 
     def reset(self) -> None:
         self.cluster.reset(0)
         self.messages.clear()
         self.raw_history.clear()
         self.held.clear()
+        self.keep_floor = 0
 
     def send(self, text: str, docs: list[str | Path] = ()) -> Iterator[Prefill | Progress | Token | Done]:
         """Add a user turn (documents first) and stream the answer's events."""
@@ -148,6 +151,8 @@ class Session:
         if bad:
             raise BadInput(f"token id {bad[0]} is outside the model's vocabulary (size {vocab})")
         keep = min(common_prefix(self.held, full), len(full) - 1)
+        if keep < self.keep_floor:  # sliding-window layers no longer hold what that would need
+            keep = 0
         new = full[keep:]
         choice = self.choose_algorithm(len(new), keep)
         self.last_choice = choice
@@ -190,6 +195,7 @@ class Session:
             elif which == "done":
                 done = event.done
         self.held = (full + generated)[: done.cached_tokens]
+        self.keep_floor = done.keep_floor
         if self.raw:
             self.raw_history = full + generated
         # The answer is exactly what was streamed; bytes of an unfinished character at the end are dropped.

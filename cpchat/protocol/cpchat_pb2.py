@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63pchat/protocol/cpchat.proto\x12\x06\x63pchat\"D\n\x10\x43onfigureRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\x0f\n\x07ring_id\x18\x03 \x01(\t\"\x10\n\x0e\x43onfigureReply\"!\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xc6\x01\n\x0cLoadProgress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x13\n\x0bnum_q_heads\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x19\n\x11\x62ytes_per_element\x18\x08 \x01(\r\x12\x13\n\x0bmax_context\x18\t \x01(\x04\"7\n\x10\x43\x61librateRequest\x12\x13\n\x0bprobe_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06rounds\x18\x02 \x01(\r\"?\n\x0e\x43\x61librateReply\x12\x13\n\x0b\x66lops_per_s\x18\x01 \x01(\x01\x12\x18\n\x10ring_bytes_per_s\x18\x02 \x01(\x01\"<\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"\xbd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bkeep_tokens\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12$\n\talgorithm\x18\x04 \x01(\x0e\x32\x11.cpchat.Algorithm\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\"\n\x08sampling\x18\x06 \x01(\x0b\x32\x10.cpchat.Sampling\x12\x13\n\x0bstop_tokens\x18\x07 \x03(\r\"\xb6\x01\n\rGenerateEvent\x12&\n\x07prefill\x18\x01 \x01(\x0b\x32\x13.cpchat.PrefillDoneH\x00\x12#\n\x05token\x18\x02 \x01(\x0b\x32\x12.cpchat.TokenEventH\x00\x12$\n\x04\x64one\x18\x03 \x01(\x0b\x32\x14.cpchat.GenerateDoneH\x00\x12)\n\x08progress\x18\x04 \x01(\x0b\x32\x15.cpchat.LayerProgressH\x00\x42\x07\n\x05\x65vent\"2\n\rLayerProgress\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\"\x19\n\x0bPrefillDone\x12\n\n\x02ms\x18\x01 \x01(\x01\")\n\nTokenEvent\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"p\n\x0cGenerateDone\x12\x11\n\tkv_tokens\x18\x01 \x01(\x04\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x11\n\trss_bytes\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\x12\x11\n\tcancelled\x18\x05 \x01(\x08\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0b\x43\x61ncelReply\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"0\n\x0cStatsRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x02\x12\x0c\n\x04once\x18\x02 \x01(\x08\"`\n\x08RingStep\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x0f\n\x07wait_ms\x18\x04 \x01(\x02\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\"\xe3\x01\n\tRankStats\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05state\x18\x02 \x01(\t\x12\x11\n\tkv_tokens\x18\x03 \x01(\x04\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x11\n\trss_bytes\x18\x05 \x01(\x04\x12\x18\n\x10mlx_active_bytes\x18\x06 \x01(\x04\x12\x16\n\x0emlx_peak_bytes\x18\x07 \x01(\x04\x12\x11\n\talgorithm\x18\x08 \x01(\t\x12$\n\nring_steps\x18\t \x03(\x0b\x32\x10.cpchat.RingStep\x12\x16\n\x0epeak_rss_bytes\x18\n \x01(\x04\"#\n\x0cResetRequest\x12\x13\n\x0bkeep_tokens\x18\x01 \x01(\x04\"\x1f\n\nResetReply\x12\x11\n\tkv_tokens\x18\x01 \x01(\x04\"\x0f\n\rHealthRequest\"7\n\x0bHealthReply\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0b\n\x03pid\x18\x03 \x01(\r\"\x11\n\x0fShutdownRequest\"\x0f\n\rShutdownReply\"\x81\x02\n\x05\x46rame\x12\x0f\n\x07ring_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\r\x12\x1f\n\x04kind\x18\x05 \x01(\x0e\x32\x11.cpchat.FrameKind\x12\x13\n\x0bsource_rank\x18\x06 \x01(\r\x12\x14\n\x0ctensor_index\x18\x07 \x01(\r\x12\x14\n\x0ctensor_count\x18\x08 \x01(\r\x12\x13\n\x0b\x63hunk_index\x18\t \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\r\n\x05shape\x18\x0c \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\r \x01(\x0c\"\x0c\n\nLinkClosed*?\n\tAlgorithm\x12\x19\n\x15\x41LGORITHM_UNSPECIFIED\x10\x00\x12\x0b\n\x07PASS_KV\x10\x01\x12\n\n\x06PASS_Q\x10\x02*]\n\tFrameKind\x12\x1a\n\x16\x46RAME_KIND_UNSPECIFIED\x10\x00\x12\x06\n\x02KV\x10\x01\x12\t\n\x05QUERY\x10\x02\x12\x0b\n\x07PARTIAL\x10\x03\x12\t\n\x05TOKEN\x10\x04\x12\t\n\x05PROBE\x10\x05\x32\x93\x04\n\x07\x43ontrol\x12=\n\tConfigure\x12\x18.cpchat.ConfigureRequest\x1a\x16.cpchat.ConfigureReply\x12=\n\tLoadModel\x12\x18.cpchat.LoadModelRequest\x1a\x14.cpchat.LoadProgress0\x01\x12=\n\tCalibrate\x12\x18.cpchat.CalibrateRequest\x1a\x16.cpchat.CalibrateReply\x12<\n\x08Generate\x12\x17.cpchat.GenerateRequest\x1a\x15.cpchat.GenerateEvent0\x01\x12\x34\n\x06\x43\x61ncel\x12\x15.cpchat.CancelRequest\x1a\x13.cpchat.CancelReply\x12\x32\n\x05Stats\x12\x14.cpchat.StatsRequest\x1a\x11.cpchat.RankStats0\x01\x12\x31\n\x05Reset\x12\x14.cpchat.ResetRequest\x1a\x12.cpchat.ResetReply\x12\x34\n\x06Health\x12\x15.cpchat.HealthRequest\x1a\x13.cpchat.HealthReply\x12:\n\x08Shutdown\x12\x17.cpchat.ShutdownRequest\x1a\x15.cpchat.ShutdownReply23\n\x04Ring\x12+\n\x04Link\x12\r.cpchat.Frame\x1a\x12.cpchat.LinkClosed(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63pchat/protocol/cpchat.proto\x12\x06\x63pchat\"D\n\x10\x43onfigureRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\x0f\n\x07ring_id\x18\x03 \x01(\t\"\x10\n\x0e\x43onfigureReply\"!\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xc6\x01\n\x0cLoadProgress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x13\n\x0bnum_q_heads\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x19\n\x11\x62ytes_per_element\x18\x08 \x01(\r\x12\x13\n\x0bmax_context\x18\t \x01(\x04\"7\n\x10\x43\x61librateRequest\x12\x13\n\x0bprobe_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06rounds\x18\x02 \x01(\r\"?\n\x0e\x43\x61librateReply\x12\x13\n\x0b\x66lops_per_s\x18\x01 \x01(\x01\x12\x18\n\x10ring_bytes_per_s\x18\x02 \x01(\x01\"<\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"\xbd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bkeep_tokens\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12$\n\talgorithm\x18\x04 \x01(\x0e\x32\x11.cpchat.Algorithm\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\"\n\x08sampling\x18\x06 \x01(\x0b\x32\x10.cpchat.Sampling\x12\x13\n\x0bstop_tokens\x18\x07 \x03(\r\"\xb6\x01\n\rGenerateEvent\x12&\n\x07prefill\x18\x01 \x01(\x0b\x32\x13.cpchat.PrefillDoneH\x00\x12#\n\x05token\x18\x02 \x01(\x0b\x32\x12.cpchat.TokenEventH\x00\x12$\n\x04\x64one\x18\x03 \x01(\x0b\x32\x14.cpchat.GenerateDoneH\x00\x12)\n\x08progress\x18\x04 \x01(\x0b\x32\x15.cpchat.LayerProgressH\x00\x42\x07\n\x05\x65vent\"2\n\rLayerProgress\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\"\x19\n\x0bPrefillDone\x12\n\n\x02ms\x18\x01 \x01(\x01\")\n\nTokenEvent\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x84\x01\n\x0cGenerateDone\x12\x11\n\tkv_tokens\x18\x01 \x01(\x04\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x11\n\trss_bytes\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\x12\x11\n\tcancelled\x18\x05 \x01(\x08\x12\x12\n\nkeep_floor\x18\x06 \x01(\x04\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0b\x43\x61ncelReply\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"0\n\x0cStatsRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x02\x12\x0c\n\x04once\x18\x02 \x01(\x08\"`\n\x08RingStep\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x0f\n\x07wait_ms\x18\x04 \x01(\x02\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\"\xe3\x01\n\tRankStats\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05state\x18\x02 \x01(\t\x12\x11\n\tkv_tokens\x18\x03 \x01(\x04\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x11\n\trss_bytes\x18\x05 \x01(\x04\x12\x18\n\x10mlx_active_bytes\x18\x06 \x01(\x04\x12\x16\n\x0emlx_peak_bytes\x18\x07 \x01(\x04\x12\x11\n\talgorithm\x18\x08 \x01(\t\x12$\n\nring_steps\x18\t \x03(\x0b\x32\x10.cpchat.RingStep\x12\x16\n\x0epeak_rss_bytes\x18\n \x01(\x04\"#\n\x0cResetRequest\x12\x13\n\x0bkeep_tokens\x18\x01 \x01(\x04\"\x1f\n\nResetReply\x12\x11\n\tkv_tokens\x18\x01 \x01(\x04\"\x0f\n\rHealthRequest\"7\n\x0bHealthReply\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0b\n\x03pid\x18\x03 \x01(\r\"\x11\n\x0fShutdownRequest\"\x0f\n\rShutdownReply\"\x81\x02\n\x05\x46rame\x12\x0f\n\x07ring_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\r\x12\x1f\n\x04kind\x18\x05 \x01(\x0e\x32\x11.cpchat.FrameKind\x12\x13\n\x0bsource_rank\x18\x06 \x01(\r\x12\x14\n\x0ctensor_index\x18\x07 \x01(\r\x12\x14\n\x0ctensor_count\x18\x08 \x01(\r\x12\x13\n\x0b\x63hunk_index\x18\t \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\r\n\x05shape\x18\x0c \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\r \x01(\x0c\"\x0c\n\nLinkClosed*?\n\tAlgorithm\x12\x19\n\x15\x41LGORITHM_UNSPECIFIED\x10\x00\x12\x0b\n\x07PASS_KV\x10\x01\x12\n\n\x06PASS_Q\x10\x02*]\n\tFrameKind\x12\x1a\n\x16\x46RAME_KIND_UNSPECIFIED\x10\x00\x12\x06\n\x02KV\x10\x01\x12\t\n\x05QUERY\x10\x02\x12\x0b\n\x07PARTIAL\x10\x03\x12\t\n\x05TOKEN\x10\x04\x12\t\n\x05PROBE\x10\x05\x32\x93\x04\n\x07\x43ontrol\x12=\n\tConfigure\x12\x18.cpchat.ConfigureRequest\x1a\x16.cpchat.ConfigureReply\x12=\n\tLoadModel\x12\x18.cpchat.LoadModelRequest\x1a\x14.cpchat.LoadProgress0\x01\x12=\n\tCalibrate\x12\x18.cpchat.CalibrateRequest\x1a\x16.cpchat.CalibrateReply\x12<\n\x08Generate\x12\x17.cpchat.GenerateRequest\x1a\x15.cpchat.GenerateEvent0\x01\x12\x34\n\x06\x43\x61ncel\x12\x15.cpchat.CancelRequest\x1a\x13.cpchat.CancelReply\x12\x32\n\x05Stats\x12\x14.cpchat.StatsRequest\x1a\x11.cpchat.RankStats0\x01\x12\x31\n\x05Reset\x12\x14.cpchat.ResetRequest\x1a\x12.cpchat.ResetReply\x12\x34\n\x06Health\x12\x15.cpchat.HealthRequest\x1a\x13.cpchat.HealthReply\x12:\n\x08Shutdown\x12\x17.cpchat.ShutdownRequest\x1a\x15.cpchat.ShutdownReply23\n\x04Ring\x12+\n\x04Link\x12\r.cpchat.Frame\x1a\x12.cpchat.LinkClosed(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cpchat.protocol.cpchat_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ALGORITHM']._serialized_start=2064
-  _globals['_ALGORITHM']._serialized_end=2127
-  _globals['_FRAMEKIND']._serialized_start=2129
-  _globals['_FRAMEKIND']._serialized_end=2222
+  _globals['_ALGORITHM']._serialized_start=2085
+  _globals['_ALGORITHM']._serialized_end=2148
+  _globals['_FRAMEKIND']._serialized_start=2150
+  _globals['_FRAMEKIND']._serialized_end=2243
   _globals['_CONFIGUREREQUEST']._serialized_start=40
   _globals['_CONFIGUREREQUEST']._serialized_end=108
   _globals['_CONFIGUREREPLY']._serialized_start=110
@@ -59,36 +59,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLDONE']._serialized_end=1002
   _globals['_TOKENEVENT']._serialized_start=1004
   _globals['_TOKENEVENT']._serialized_end=1045
-  _globals['_GENERATEDONE']._serialized_start=1047
-  _globals['_GENERATEDONE']._serialized_end=1159
-  _globals['_CANCELREQUEST']._serialized_start=1161
-  _globals['_CANCELREQUEST']._serialized_end=1196
-  _globals['_CANCELREPLY']._serialized_start=1198
-  _globals['_CANCELREPLY']._serialized_end=1230
-  _globals['_STATSREQUEST']._serialized_start=1232
-  _globals['_STATSREQUEST']._serialized_end=1280
-  _globals['_RINGSTEP']._serialized_start=1282
-  _globals['_RINGSTEP']._serialized_end=1378
-  _globals['_RANKSTATS']._serialized_start=1381
-  _globals['_RANKSTATS']._serialized_end=1608
-  _globals['_RESETREQUEST']._serialized_start=1610
-  _globals['_RESETREQUEST']._serialized_end=1645
-  _globals['_RESETREPLY']._serialized_start=1647
-  _globals['_RESETREPLY']._serialized_end=1678
-  _globals['_HEALTHREQUEST']._serialized_start=1680
-  _globals['_HEALTHREQUEST']._serialized_end=1695
-  _globals['_HEALTHREPLY']._serialized_start=1697
-  _globals['_HEALTHREPLY']._serialized_end=1752
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1754
-  _globals['_SHUTDOWNREQUEST']._serialized_end=1771
-  _globals['_SHUTDOWNREPLY']._serialized_start=1773
-  _globals['_SHUTDOWNREPLY']._serialized_end=1788
-  _globals['_FRAME']._serialized_start=1791
-  _globals['_FRAME']._serialized_end=2048
-  _globals['_LINKCLOSED']._serialized_start=2050
-  _globals['_LINKCLOSED']._serialized_end=2062
-  _globals['_CONTROL']._serialized_start=2225
-  _globals['_CONTROL']._serialized_end=2756
-  _globals['_RING']._serialized_start=2758
-  _globals['_RING']._serialized_end=2809
+  _globals['_GENERATEDONE']._serialized_start=1048
+  _globals['_GENERATEDONE']._serialized_end=1180
+  _globals['_CANCELREQUEST']._serialized_start=1182
+  _globals['_CANCELREQUEST']._serialized_end=1217
+  _globals['_CANCELREPLY']._serialized_start=1219
+  _globals['_CANCELREPLY']._serialized_end=1251
+  _globals['_STATSREQUEST']._serialized_start=1253
+  _globals['_STATSREQUEST']._serialized_end=1301
+  _globals['_RINGSTEP']._serialized_start=1303
+  _globals['_RINGSTEP']._serialized_end=1399
+  _globals['_RANKSTATS']._serialized_start=1402
+  _globals['_RANKSTATS']._serialized_end=1629
+  _globals['_RESETREQUEST']._serialized_start=1631
+  _globals['_RESETREQUEST']._serialized_end=1666
+  _globals['_RESETREPLY']._serialized_start=1668
+  _globals['_RESETREPLY']._serialized_end=1699
+  _globals['_HEALTHREQUEST']._serialized_start=1701
+  _globals['_HEALTHREQUEST']._serialized_end=1716
+  _globals['_HEALTHREPLY']._serialized_start=1718
+  _globals['_HEALTHREPLY']._serialized_end=1773
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1775
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1792
+  _globals['_SHUTDOWNREPLY']._serialized_start=1794
+  _globals['_SHUTDOWNREPLY']._serialized_end=1809
+  _globals['_FRAME']._serialized_start=1812
+  _globals['_FRAME']._serialized_end=2069
+  _globals['_LINKCLOSED']._serialized_start=2071
+  _globals['_LINKCLOSED']._serialized_end=2083
+  _globals['_CONTROL']._serialized_start=2246
+  _globals['_CONTROL']._serialized_end=2777
+  _globals['_RING']._serialized_start=2779
+  _globals['_RING']._serialized_end=2830
 # @@protoc_insertion_point(module_scope)

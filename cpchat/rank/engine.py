@@ -161,16 +161,37 @@ class Engine:
         return self.info
 
     def reset(self, keep_tokens: int = 0) -> None:
-        if keep_tokens > self.total_tokens:
-            raise BadRequest(f"cannot keep {keep_tokens} tokens: the ring holds {self.total_tokens}")
+        self._check_keep(keep_tokens)
         self.kv.truncate(keep_tokens)
         self.total_tokens = keep_tokens
+        if keep_tokens == 0:
+            self.keep_floor = 0
+
+    def _check_keep(self, keep_tokens: int) -> None:
+        if keep_tokens > self.total_tokens:
+            raise BadRequest(f"cannot keep {keep_tokens} tokens: the ring holds {self.total_tokens}")
+        if 0 < keep_tokens < self.keep_floor:
+            raise BadRequest(f"cannot keep {keep_tokens} tokens: sliding-window layers hold keys for "
+                             f"{self.keep_floor} tokens on; keep those or none")
+
+    def _forget_outside_windows(self, prompt_end: int, rollback_to: int) -> None:
+        """Sliding-window layers drop the keys no query from `prompt_end` on can see (q - k >= window),
+        except the last `window` before `rollback_to`, which queries after a roll back to it would see."""
+        for i, layer in enumerate(self.info.layers):
+            if layer.window:
+                p = self.kv.layer_positions(i)
+                needed = (p > rollback_to - layer.window) & (p < rollback_to)
+                self.kv.forget(i, (p <= prompt_end - layer.window) & ~needed)
 
     # ---- one forward pass
 
     @property
     def windows(self) -> list[int | None]:
         return [layer.window for layer in self.info.layers]
+
+    @property
+    def slides(self) -> bool:
+        return any(self.windows)
 
     def _prefill(
         self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, on_layer
@@ -240,8 +261,7 @@ class Engine:
         bad = [t for t in req.tokens if t >= self.info.vocab_size]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
-        if req.keep_tokens > self.total_tokens:
-            raise BadRequest(f"cannot keep {req.keep_tokens} tokens: the ring holds {self.total_tokens}")
+        self._check_keep(req.keep_tokens)
         limit = self.info.exact_tokens
         if limit and req.keep_tokens + len(req.tokens) + req.max_tokens > limit:
             raise BadRequest(f"{self.info.model_type}'s RoPE changes with the sequence length past {limit} "
@@ -256,7 +276,8 @@ class Engine:
         emit: Callable[[pb.GenerateEvent], None],
     ) -> None:
         """Prefill req.tokens after keep_tokens, then decode; every rank runs this
-        together. On abort or failure the shard rolls back to keep_tokens."""
+        together. On abort or failure the shard rolls back to keep_tokens. Sliding-window
+        layers keep only the keys that queries from the end of the prompt on can see."""
         self.validate(req)
         self.reset(req.keep_tokens)
         mx.reset_peak_memory()
@@ -271,6 +292,10 @@ class Engine:
         try:
             t0 = time.perf_counter()
             logits = self._prefill(req, ring, abort, on_layer)
+            prompt_end = start + len(req.tokens)
+            if self.slides:
+                self.keep_floor = start  # a roll back still needs the window before `start`
+                self._forget_outside_windows(prompt_end, rollback_to=start)
             source = owner_of(len(req.tokens) - 1, len(req.tokens), ring.size)
             token, logprob = self._agree(req, ring, abort, source, 0, logits)
             emit(pb.GenerateEvent(prefill=pb.PrefillDone(ms=1000 * (time.perf_counter() - t0))))
@@ -284,6 +309,9 @@ class Engine:
                     raise Aborted(req.request_id)
                 logits = self._decode(req, ring, abort, token)
                 token, logprob = self._agree(req, ring, abort, 0, index + 1, logits)
+            if self.slides:
+                self._forget_outside_windows(prompt_end, rollback_to=prompt_end)
+                self.keep_floor = prompt_end
         except BaseException:
             self.reset(start)
             raise

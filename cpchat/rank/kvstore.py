@@ -1,8 +1,11 @@
 """KVShard: this rank's share of the conversation's keys and values.
 
-Every layer holds the same token positions (global, so masks never depend
-on where a token lives). Buffers grow in steps, as mlx-lm's KVCache does,
-so decode appends do not copy the whole shard.
+Positions are global, so masks never depend on where a token lives. Every
+layer stores the tokens this rank owns, except that a sliding-window layer may
+`forget` keys no later query can see; so each layer keeps its own positions,
+and `positions` lists the tokens the rank owns (what it reports and rolls back).
+Buffers grow in steps, as mlx-lm's KVCache does, so decode appends do not copy
+the whole shard.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ class KVShard:
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
         self.positions = np.zeros(0, dtype=np.int32)
+        self._layer_positions = [self.positions] * num_layers
         self._pending: np.ndarray | None = None  # positions being appended by the current forward
         self._lengths = [0] * num_layers
 
@@ -28,9 +32,12 @@ class KVShard:
     @property
     def nbytes(self) -> int:
         """Bytes of K and V held, from shapes alone (safe to call from the stats thread)."""
-        n = len(self)
-        arrays = [a for a in self.keys + self.values if a is not None]
-        return sum(n * a.shape[1] * a.shape[3] * a.dtype.size for a in arrays)
+        return sum(
+            n * a.shape[1] * a.shape[3] * a.dtype.size
+            for n, k, v in zip(self._lengths, self.keys, self.values)
+            for a in (k, v)
+            if a is not None
+        )
 
     def begin_append(self, positions: np.ndarray) -> None:
         """Positions of the tokens the next forward will append (same for every layer)."""
@@ -58,31 +65,41 @@ class KVShard:
         mx.eval([a for a in self.keys + self.values if a is not None])
         if self._pending is not None:
             self.positions = np.concatenate([self.positions, self._pending])
+            self._layer_positions = [np.concatenate([p, self._pending]) for p in self._layer_positions]
             self._pending = None
-        assert all(n == len(self) for n in self._lengths), "layers out of step"
+        assert all(n == len(p) for n, p in zip(self._lengths, self._layer_positions)), "layers out of step"
 
     def layer(self, layer: int) -> tuple[mx.array, mx.array, np.ndarray]:
         """Keys, values and positions of one layer, the pending append included."""
         n = self._lengths[layer]
-        positions = (
-            self.positions if self._pending is None else np.concatenate([self.positions, self._pending])
-        )
+        positions = self._layer_positions[layer]
+        if self._pending is not None:
+            positions = np.concatenate([positions, self._pending])
         if n == 0:
             return None, None, positions[:0]
         return self.keys[layer][..., :n, :], self.values[layer][..., :n, :], positions[:n]
 
+    def layer_positions(self, layer: int) -> np.ndarray:
+        return self._layer_positions[layer]
+
     def truncate(self, keep_positions_below: int) -> None:
         """Forget every token at or after a global position (and any pending append)."""
         self._pending = None
-        keep = self.positions < keep_positions_below
-        if keep.all():
-            self._lengths = [len(self)] * self.num_layers
-            return
-        index = mx.array(np.flatnonzero(keep))
+        self.positions = self.positions[self.positions < keep_positions_below]
         for layer in range(self.num_layers):
-            if self.keys[layer] is not None:
-                self.keys[layer] = mx.take(self.keys[layer][..., : len(self), :], index, axis=2)
-                self.values[layer] = mx.take(self.values[layer][..., : len(self), :], index, axis=2)
-        self.positions = self.positions[keep]
-        self._lengths = [len(self)] * self.num_layers
-        mx.eval([a for a in self.keys + self.values if a is not None])
+            self._keep(layer, self._layer_positions[layer] < keep_positions_below)
+
+    def forget(self, layer: int, drop: np.ndarray) -> None:
+        """Drop one layer's keys and values where `drop` is true (a sliding window's old keys);
+        the tokens stay the rank's."""
+        self._keep(layer, ~drop)
+
+    def _keep(self, layer: int, keep: np.ndarray) -> None:
+        n = len(self._layer_positions[layer])
+        if self.keys[layer] is not None and not keep.all():
+            index = mx.array(np.flatnonzero(keep))
+            self.keys[layer] = mx.take(self.keys[layer][..., :n, :], index, axis=2)
+            self.values[layer] = mx.take(self.values[layer][..., :n, :], index, axis=2)
+            mx.eval(self.keys[layer], self.values[layer])
+        self._layer_positions[layer] = self._layer_positions[layer][keep]
+        self._lengths[layer] = len(self._layer_positions[layer])

@@ -344,6 +344,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         return pb.GenerateDone(
             kv_tokens=len(kv), kv_bytes=kv.nbytes, rss_bytes=psutil.Process().memory_info().rss,
             cached_tokens=self.s.engine.total_tokens, cancelled=cancelled,
+            keep_floor=self.s.engine.keep_floor,
         )
 
     def Cancel(self, request, context):
