@@ -37,17 +37,22 @@ def random_prompt(path: Path, length: int, seed: int) -> list[int]:
     return [t for t in (rng.randrange(3, vocab) for _ in range(length * 2)) if t not in stop][:length]
 
 
+def raw_session(cluster, path: Path, algorithm: str, max_tokens: int) -> Session:
+    """A greedy session that sends token ids as they are (no chat template)."""
+    return Session(cluster, load_tokenizer(str(path)), raw=True, algorithm=algorithm,
+                   sampling=SamplingOptions(max_tokens=max_tokens, temperature=0.0))
+
+
+def next_turn(session: Session, new: list[int]) -> tuple[list[tuple[int, float]], list]:
+    """One raw turn, the conversation so far plus `new`: (tokens with logprobs, events)."""
+    events = list(session._generate(session.raw_history + new))
+    return [(e.id, e.logprob) for e in events if isinstance(e, Token)], events
+
+
 def run_raw(cluster, path: Path, ids: list[int], algorithm: str, max_tokens: int):
-    """Generate through real ranks from token ids; returns (tokens, events)."""
-    session = Session(
-        cluster,
-        load_tokenizer(str(path)),
-        raw=True,
-        algorithm=algorithm,
-        sampling=SamplingOptions(max_tokens=max_tokens, temperature=0.0),
-    )
-    events = list(session._generate(ids))
-    tokens = [(e.id, e.logprob) for e in events if isinstance(e, Token)]
+    """Generate through real ranks from token ids; returns (tokens, events, session)."""
+    session = raw_session(cluster, path, algorithm, max_tokens)
+    tokens, events = next_turn(session, ids)
     return tokens, events, session
 
 

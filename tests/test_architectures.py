@@ -4,7 +4,7 @@ within 1e-3), through 2 ranks with pass-KV and 3 ranks with pass-Q, with prompts
 cross the sliding windows; what does not fit is refused by name with the reason."""
 
 import pytest
-from helpers import random_prompt, reference_generate, run_raw
+from helpers import next_turn, random_prompt, raw_session, reference_generate, run_raw
 from test_exactness import assert_same
 
 from cpchat.client.cluster import BadInput
@@ -93,17 +93,13 @@ def test_sliding_layers_forget_old_keys_and_turns_stay_exact(clusters, variant_d
     """Sliding-window layers drop the keys no later query can see: three turns through 3 ranks hold
     less K/V than full layers would, and still equal mlx-lm over the whole history; a turn that
     would keep fewer tokens than the windows allow re-prefills everything, and is exact too."""
-    from cpchat.client.session import SamplingOptions, Session, load_tokenizer
-
     path = variant_dir(name)
     cluster = clusters.get(3, path)
-    session = Session(cluster, load_tokenizer(str(path)), raw=True, algorithm="auto",
-                      sampling=SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
+    session = raw_session(cluster, path, "auto", MAX_TOKENS)
     history: list[int] = []
     for turn, length in enumerate((90, 30, 7)):
         new = random_prompt(path, length, seed=300 + turn)
-        events = list(session._generate(session.raw_history + new))
-        got = [(e.id, e.logprob) for e in events if hasattr(e, "logprob")]
+        got, events = next_turn(session, new)
         history += new
         assert_same(got, reference_generate(path, history, MAX_TOKENS))
         history += [t for t, _ in got]

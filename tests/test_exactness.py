@@ -2,7 +2,15 @@
 single-process greedy generation: same tokens, logprobs within 1e-3."""
 
 import pytest
-from helpers import done_event, prefill_event, random_prompt, reference_generate, run_raw
+from helpers import (
+    done_event,
+    next_turn,
+    prefill_event,
+    random_prompt,
+    raw_session,
+    reference_generate,
+    run_raw,
+)
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 MAX_TOKENS = 8
@@ -70,20 +78,11 @@ def test_follow_up_turns_prefill_only_new_tokens(clusters, model_dir, algorithm)
     """Three raw turns on one cluster equal one single-process run over the whole history."""
     path = model_dir("qwen3")
     cluster = clusters.get(3, path)
-    from cpchat.client.session import SamplingOptions, Session, load_tokenizer
-
-    session = Session(
-        cluster,
-        load_tokenizer(str(path)),
-        raw=True,
-        algorithm=algorithm,
-        sampling=SamplingOptions(max_tokens=6, temperature=0.0),
-    )
+    session = raw_session(cluster, path, algorithm, 6)
     history: list[int] = []
     for turn, length in enumerate((200, 37, 5)):
         new = random_prompt(path, length, seed=100 + turn)
-        events = list(session._generate(session.raw_history + new))
-        tokens = [(e.id, e.logprob) for e in events if hasattr(e, "logprob")]
+        tokens, events = next_turn(session, new)
         history += new
         assert_same(tokens, reference_generate(path, history, 6))
         prefill = prefill_event(events)

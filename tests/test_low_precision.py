@@ -7,7 +7,14 @@ import functools
 import random
 
 import pytest
-from helpers import low_precision_noise, reference_generate, reference_model, run_raw
+from helpers import (
+    low_precision_noise,
+    next_turn,
+    raw_session,
+    reference_generate,
+    reference_model,
+    run_raw,
+)
 
 from cpchat.demo.data import make_example
 
@@ -56,20 +63,16 @@ def test_checkpoint_forms_through_ranks(clusters, checkpoint, form, ranks):
 def test_follow_up_turns_in_low_precision(clusters, checkpoint, form):
     """Three questions about one document through 3 ranks, each later turn prefilling only its new
     tokens, equal mlx-lm over the whole conversation."""
-    from cpchat.client.session import SamplingOptions, Session, load_tokenizer
-
     path = checkpoint(form)
     cluster = clusters.get(3, path)
     _, tokenizer = reference_model(path)
-    session = Session(cluster, load_tokenizer(str(path)), raw=True, algorithm="auto",
-                      sampling=SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
+    session = raw_session(cluster, path, "auto", MAX_TOKENS)
     ids, questions = question_ids(path, seed=11, n_questions=3)
     turns = [ids] + [tokenizer.encode(f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n",
                                       add_special_tokens=False) for q in questions]
     history: list[int] = []
     for new in turns:
-        events = list(session._generate(session.raw_history + new))
-        got = [(e.id, e.logprob) for e in events if hasattr(e, "logprob")]
+        got, _ = next_turn(session, new)
         history += new
         assert_within_noise(path, history, got)
         history += [t for t, _ in got]
