@@ -62,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, help="query heads (default hidden/64); a quarter as many KV heads")
     p.add_argument("--form", default="float32",
-                   help="float32, bfloat16, float16, or q4g64 (bits, group size), made with mlx_lm.convert")
+                   help="convert the model with mlx_lm.convert: bfloat16, float16, q4g64 (bits, group size)")
     p.add_argument("--contexts", default="1024,2048,4096,8192,16384", help="comma-separated prompt lengths")
     p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
     p.add_argument("--decode", type=int, default=16, help="tokens to generate per run")
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.hidden, args.layers, args.contexts, args.ranks = 256, 4, "512,1024", "1,2"
         args.repeats, args.decode, args.transport = 1, 8, "1,16"
-    model = args.model or str(bench_model(args.hidden, args.layers, args.heads, args.form))
+    model = str(in_form(Path(args.model) if args.model else bench_model(args.hidden, args.layers, args.heads),
+                        args.form))
     contexts = [int(c) for c in args.contexts.split(",") if c]
     ranks = [int(n) for n in args.ranks.split(",") if n]
     blas_modes = ["openblas", "reference"] if args.blas == "both" else [args.blas]
@@ -161,9 +162,9 @@ def ring_bandwidth(cluster: Cluster, probe_bytes: int, rounds: int = 3) -> float
     return min(c.result().ring_bytes_per_s for c in calls)
 
 
-def bench_model(hidden: int, layers: int, heads: int | None = None, form: str = "float32") -> Path:
-    """A random llama (cached), converted with mlx_lm.convert into `form`."""
-    from cpchat.smallmodels import convert_model, write_model
+def bench_model(hidden: int, layers: int, heads: int | None = None) -> Path:
+    """A random float32 llama (cached)."""
+    from cpchat.smallmodels import write_model
 
     heads = heads or max(4, hidden // 64)
     name = f"bench-llama-h{hidden}-l{layers}-a{heads}"
@@ -178,11 +179,18 @@ def bench_model(hidden: int, layers: int, heads: int | None = None, form: str = 
             num_kv_heads=max(1, heads // 4),
             intermediate_size=hidden * 3,
         )
+    return path
+
+
+def in_form(model: Path, form: str) -> Path:
+    """`model` converted with mlx_lm.convert into `form` (cached), as checkpoints are published."""
+    from cpchat.smallmodels import convert_model
+
     if form == "float32":
-        return path
-    converted = cache_dir() / f"{name}-{form}"
+        return model
+    converted = cache_dir() / f"{model.resolve().name}-{form}"
     if not (converted / "config.json").exists():
-        convert_model(path, converted, form)
+        convert_model(model, converted, form)
     return converted
 
 
