@@ -4,8 +4,9 @@ The model runs its own forward on this rank's tokens, laid out as a batch of
 rows (two head-tail chunks in prefill, one token in decode). Each layer gets a
 `ShardCache`: its `offset` holds the rows' global start positions (RoPE takes
 per-row offsets), `update_and_fetch` stores the real tokens in the `KVShard`,
-and the model module's `scaled_dot_product_attention` is replaced by
-`ring_attention`, which hands the queries to the running `RingPass`.
+and mlx-lm's `scaled_dot_product_attention`, as every model module binds it, is
+replaced by `ring_attention`, which hands the queries to the running `RingPass`
+(with the layer's sliding window and attention sinks, if it has them).
 """
 
 from __future__ import annotations
