@@ -67,7 +67,7 @@ def load_model(name: str):
     layers = fit.describe_layers(model, _probe_forward(model))
     first = layers[0]
     info = ModelInfo(
-        model_type=config.get("model_type", type(model).__module__.rsplit(".", 1)[-1]),
+        model_type=config.get("model_type", fit.model_name(model)),
         num_layers=len(layers),
         num_q_heads=first.query_heads,
         num_kv_heads=first.key_heads,

@@ -59,10 +59,6 @@ class HostTensor:
     dtype: str
     data: np.ndarray
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes
-
     def raw(self) -> memoryview:
         return memoryview(self.data.reshape(-1).view(np.uint8))
 
@@ -169,7 +165,7 @@ def block_frames(ring_id: str, key: BlockKey, source_rank: int, tensors: list[Ho
             yield b"".join((header, _DATA_TAG, _varint(len(data)), data))
 
 
-def block_nbytes(tensors: list[HostTensor] | list[mx.array]) -> int:
+def block_nbytes(tensors: list[mx.array]) -> int:
     return sum(t.nbytes for t in tensors)
 
 
