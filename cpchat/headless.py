@@ -16,6 +16,9 @@ from cpchat.client.events import EVENT_NAMES, Error, RankAddress, Ready, Token
 from cpchat.client.hub import front_end_copy
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.client.settings import resolve_model, resolve_settings
+from cpchat.core.estimate import human_duration
+
+LONG_PREFILL_S = 30  # a prefill longer than this is announced on stderr, with its estimate
 
 
 class Output:
@@ -86,8 +89,8 @@ def run_headless(args: argparse.Namespace) -> int:
     try:
         settings = resolve_settings(args)
         for doc in args.doc:
-            if not Path(doc).is_file():
-                raise BadInput(f"document {doc} does not exist")
+            if not Path(doc).exists():
+                raise BadInput(f"document {doc} does not exist (no such file or folder)")
         if args.prompt_file is not None and not Path(args.prompt_file).is_file():
             raise BadInput(f"prompt file {args.prompt_file} does not exist")
         model_path, description = resolve_model(settings.model)
@@ -100,7 +103,12 @@ def run_headless(args: argparse.Namespace) -> int:
         sampling = SamplingOptions(settings.max_tokens, settings.temp, settings.top_p, settings.seed)
         session = Session(cluster, tokenizer, raw=args.raw, algorithm=settings.algorithm, sampling=sampling)
         for text, docs in read_turns(args):
-            for event in session.send(text, docs):
+            turn = session.prepare(text, docs)
+            estimate = session.prefill_estimate_s(turn)
+            if estimate is not None and estimate > LONG_PREFILL_S:
+                print(f"cpchat: {len(turn.tokens):,} prompt tokens; the prefill should take about "
+                      f"{human_duration(estimate)}", file=sys.stderr, flush=True)
+            for event in session.run(turn):
                 out.event(event)
             out.end_turn()
         return EXIT_OK

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import psutil
 import pytest
 from helpers import reference_generate, reference_model
+from makedocs import write_pdf
 
 CPCHAT = [sys.executable, "-m", "cpchat"]
+SAMPLE_DOC = Path(__file__).resolve().parents[1] / "assets" / "sample-doc.txt"
 
 
 def rank_processes(parent_pid: int) -> list[psutil.Process]:
@@ -121,6 +125,46 @@ def test_documents_reach_the_prompt(model_dir, tmp_path):
     _, tokenizer = reference_model(path)
     assert prefills[0]["new_tokens"] > len(tokenizer.encode(doc.read_text()))
     assert prefills[1]["cached_tokens"] > prefills[0]["new_tokens"] - 1
+
+
+def filler(count: int) -> list[str]:
+    """Paragraphs of the sample document that state no fact."""
+    paragraphs = SAMPLE_DOC.read_text().split("\n\n")
+    return [p for p in paragraphs if "code" not in p and "number" not in p][:count]
+
+
+def test_demo_model_answers_from_a_pdf_page_and_a_folder_file(tmp_path):
+    """The shipped model, through 2 ranks: a fact on page 2 of a PDF, and one in a file of a dropped
+    folder whose .gitignore hides a decoy with another value."""
+    parts = filler(8)
+    fact = "The access code for the Cedar mill is 7712-MR."
+    pdf = write_pdf(tmp_path / "mill.pdf", [parts[0], f"{parts[1]} {fact}", parts[2]])
+    root = tmp_path / "project"
+    (root / "notes").mkdir(parents=True)
+    (root / "old").mkdir()
+    (root / ".gitignore").write_text("old/\n")
+    (root / "README.md").write_text(parts[5] + "\n")
+    (root / "notes" / "monday.txt").write_text(parts[6] + "\n")
+    serial = "The serial number for the Basalt depot is"
+    (root / "notes" / "tuesday.txt").write_text(f"{parts[7]} {serial} 55120.\n")
+    (root / "old" / "draft.txt").write_text(f"{serial} 99999.\n")
+    asks = [(pdf, "What is the access code for the Cedar mill?", "7712-MR"),
+            (root, "What is the serial number for the Basalt depot?", "55120")]
+    for doc, question, value in asks:
+        result = run(["--headless", "--ranks", "2", "--doc", str(doc), "--prompt", question])
+        assert result.returncode == 0, result.stderr
+        assert value in result.stdout and "99999" not in result.stdout, (doc.name, result.stdout)
+
+
+def test_a_prompt_past_the_context_exits_2_with_both_numbers(tmp_path):
+    from cpchat.smallmodels import write_model
+
+    model = write_model(tmp_path / "short", "llama", max_position_embeddings=96)
+    doc = tmp_path / "long.txt"
+    doc.write_text("word " * 100)
+    result = run(["--headless", "--model", str(model), "--doc", str(doc), "--prompt", "What?"], timeout=60)
+    one_line_error(result, 2, "the model's 96-token context")
+    assert re.search(r"the prompt is [\d,]+ tokens", result.stderr), result.stderr
 
 
 @pytest.mark.parametrize(

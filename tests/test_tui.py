@@ -12,14 +12,17 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from makedocs import write_pdf
 from textual.pilot import Pilot
+from textual.widgets import Label, Markdown
 
 from cpchat.cli import main
 from cpchat.client.settings import Settings
+from cpchat.smallmodels import write_model
 from cpchat.tui.app import CpchatApp
-from cpchat.tui.screens import HelpScreen
+from cpchat.tui.screens import AttachmentsScreen, ContextBudget, HelpScreen
 from cpchat.tui.store import TranscriptStore
-from cpchat.tui.widgets import AttachmentChip, BigText, ChatInput, ChatMessage, RankRow, Transcript
+from cpchat.tui.widgets import AttachmentChip, BigText, ChatInput, ChatMessage, RankRow, Transcript, WorkBar
 
 SIZE = (140, 44)
 RANKS = 2
@@ -214,6 +217,126 @@ async def test_attach_command_and_bad_files(make_app, tmp_path):
         notes = [n.message for n in app._notifications]
         assert any("looks binary" in n for n in notes) and any("no such file" in n for n in notes)
         assert app.turns_done == 0 and app.query_one(ChatInput).text == ""
+
+
+async def test_dropped_pdf_and_folder_attach_with_format_pages_and_files(make_app, tmp_path):
+    pdf = write_pdf(tmp_path / "site report.pdf", ["Opening.", "The vault code is 4812-KX.", "End."])
+    folder = tmp_path / "notes"
+    (folder / "sub").mkdir(parents=True)
+    (folder / ".gitignore").write_text("*.tmp\n")
+    (folder / "a.md").write_text("# A\n")
+    (folder / "sub" / "b.txt").write_text("Orion.\n")
+    (folder / "scratch.tmp").write_text("ignored\n")
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await paste(pilot, f"'{pdf}' {folder}")
+        await until(pilot, lambda: len(chips(app)) == 2 and all(c.tokens for c in chips(app)), what="chips")
+        captions = [str(c.query_one(".chip-label", Label).render()) for c in chips(app)]
+        assert captions[0].startswith("site report.pdf · PDF · 3 pages · ") and captions[0].endswith(" tok")
+        assert captions[1].startswith("notes/ · 2 files · ")
+        await pilot.click(chips(app)[1].query_one(".chip-label"))
+        await until(pilot, lambda: isinstance(app.screen, AttachmentsScreen), what="the folder's listing")
+        listing = app.screen.query_one(Markdown).source
+        assert "`notes/a.md`" in listing and "`notes/sub/b.txt`" in listing and "scratch" not in listing
+        assert "1 file ignored by .gitignore" in listing
+        await pilot.press("escape")
+        await send(pilot, "What is the vault code?")
+        user = app.session.messages[0]
+        assert user.docs == ["site report.pdf", "notes"]
+        assert "[page 2]\nThe vault code is 4812-KX." in user.content
+        assert '<document name="notes/sub/b.txt">\nOrion.\n</document>' in user.content
+
+
+class SlowReadApp(CpchatApp):
+    """Holds the reading of a document after its first page until the reading is cancelled, so the
+    test presses Esc while a read is certainly under way."""
+
+    def _read_progress(self, name: str):
+        report = super()._read_progress(name)
+
+        def hold(done: int, total: int) -> None:
+            report(done, total)
+            if done == 1:
+                self.call_from_thread(setattr, self, "reading_paused", True)
+                self._reading.wait(30)
+
+        return hold
+
+
+async def test_escape_stops_the_reading_of_a_large_document(make_app, tmp_path):
+    pdf = write_pdf(tmp_path / "big.pdf", [f"Page {i}." for i in range(20)])
+    app = make_app(cls=SlowReadApp)
+    app.reading_paused = False
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await paste(pilot, str(pdf))
+        await until(pilot, lambda: app.reading_paused, what="the reading to start")
+        assert app.query_one(WorkBar).display
+        await pilot.press("escape")
+        await until(pilot, lambda: app._reading is None, what="the reading to stop")
+        await pilot.pause()
+        assert not chips(app) and not app.query_one(WorkBar).display
+        assert any("Stopped reading big.pdf" in n.message for n in app._notifications)
+        assert app.turns_done == 0
+
+
+async def test_a_prompt_past_the_context_asks_first(clusters, tmp_path_factory, tmp_path):
+    """The budget dialog: Back keeps everything, Remove drops that attachment and sends, Send anyway sends."""
+    short = write_model(tmp_path_factory.mktemp("short") / "llama", "llama", max_position_embeddings=160)
+    doc = tmp_path / "long.txt"
+    doc.write_text("word " * 200)
+    app = CpchatApp(Settings(max_tokens=4, seed=1), cluster=clusters.get(RANKS, short), model_path=str(short),
+                    transcripts=tmp_path / "transcripts")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+
+        async def ask(attach: bool = True) -> ContextBudget:
+            if attach:
+                await paste(pilot, str(doc))
+                await until(pilot, lambda: chips(app) and chips(app)[0].tokens, what="the chip")
+                app.query_one(ChatInput).load_text("What is it about?")
+            app.query_one(ChatInput).focus()
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, ContextBudget), what="the budget dialog")
+            return app.screen
+
+        dialog = await ask()
+        assert "the model's context is 160" in str(dialog.query_one("#budget-numbers", Label).render())
+        await pilot.click("#back")
+        await pilot.pause()
+        assert app.turns_done == 0 and len(chips(app)) == 1
+        assert app.query_one(ChatInput).text == "What is it about?"
+        await ask(attach=False)
+        await pilot.click("#remove-0")
+        await until(pilot, lambda: app.turns_done == 1 and not app.busy, what="the turn without the document")
+        assert app.session.messages[0].docs == [] and not chips(app)
+        await ask()
+        await pilot.click("#send")
+        await until(pilot, lambda: app.turns_done == 2 and not app.busy, what="the turn sent anyway")
+        assert app.session.messages[2].docs == ["long.txt"]
+        assert not any(n.severity == "error" for n in app._notifications)
+    clusters.drop(RANKS)  # the next test wants its own model on a fresh pool entry
+
+
+async def test_the_prefill_estimate_counts_down_or_stays_silent():
+    from textual.app import App
+
+    class Bar(App):
+        def compose(self):
+            yield WorkBar()
+
+    async with Bar().run_test() as pilot:
+        bar = pilot.app.query_one(WorkBar)
+        label = bar.query_one("#work-label", Label)
+        bar.show("prefill", "Prefill, layer", 2, 8, expected_s=150)
+        assert str(label.render()) == "Prefill, layer 2/8 · about 2 min left"
+        bar.hide()
+        bar.show("prefill", "Prefill, layer", 2, 8)
+        assert str(label.render()) == "Prefill, layer 2/8", "no estimate rather than a wrong one"
+        bar.hide()
+        bar.show("prefill", "Prefill, layer", 2, 8, expected_s=0.5)
+        assert str(label.render()) == "Prefill, layer 2/8"
 
 
 async def test_escape_stops_the_answer_and_keeps_it(make_app):

@@ -64,14 +64,21 @@ def test_text_and_missing_files_stay_text(files, tmp_path):
     a, _ = files
     assert parse_dropped_paths("hello world") is None
     assert parse_dropped_paths(f"'{a}' {tmp_path / 'missing.txt'}") is None, "all or nothing"
-    assert parse_dropped_paths(str(tmp_path)) is None, "a directory is not a document"
     assert parse_dropped_paths(f"see '{a}'") is None
+
+
+def test_a_dropped_folder_is_attached_but_a_bare_word_is_text(tmp_path):
+    (tmp_path / "notes").mkdir()
+    assert parse_dropped_paths(str(tmp_path / "notes")) == [tmp_path / "notes"]
+    assert parse_dropped_paths(f"file://{quote(str(tmp_path))}/notes/") == [tmp_path / "notes"]
+    assert parse_dropped_paths("notes", cwd=tmp_path) is None, "a word that names a folder is text"
+    assert parse_dropped_paths("./notes", cwd=tmp_path) == [tmp_path / "notes"]
 
 
 @given(st.text(max_size=80))
 def test_parser_never_raises(text):
     result = parse_dropped_paths(text, cwd=Path("/nonexistent-cpchat"))
-    assert result is None or all(p.is_file() for p in result)
+    assert result is None or all(p.exists() for p in result)
 
 
 def test_store_round_trip_and_torn_line(tmp_path):

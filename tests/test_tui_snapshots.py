@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cpchat.client.cluster import ModelInfo
-from cpchat.client.documents import Document
+from cpchat.client.documents import Document, Section
 from cpchat.client.events import AlgorithmChoice, Prefill, RankStats, RingStep
 from cpchat.client.settings import Settings
 from cpchat.tui.app import CpchatApp
@@ -24,6 +24,7 @@ from cpchat.tui.messages import (
     TurnFinished,
     WorkProgress,
 )
+from cpchat.tui.screens import ContextBudget
 from cpchat.tui.store import Entry
 from cpchat.tui.widgets import ChatInput, ThroughputPanel
 
@@ -67,9 +68,18 @@ async def ready(pilot) -> None:
 
 async def attach(pilot) -> None:
     await ready(pilot)
-    doc = Document("vault manual.txt", DOC_TEXT, len(DOC_TEXT))
-    pilot.app.post_message(DocumentRead(Path("/docs/vault manual.txt"), doc, 9104))
+    pdf = Document("vault manual.pdf", "PDF", 48213, (Section("vault manual.pdf", DOC_TEXT),), 24, "pages")
+    files = tuple(Section(f"site-notes/{i}.md", "x") for i in range(7))
+    folder = Document("site-notes", "folder", 20480, files, left_out=("2 files ignored by .gitignore",))
+    pilot.app.post_message(DocumentRead(Path("/docs/vault manual.pdf"), pdf, 9104))
+    pilot.app.post_message(DocumentRead(Path("/docs/site-notes"), folder, 5120))
     pilot.app.query_one(ChatInput).load_text("What is the vault code?")
+    await pilot.pause()
+
+
+async def past_context(pilot) -> None:
+    await attach(pilot)
+    pilot.app.push_screen(ContextBudget(140312, 131072, [("vault manual.pdf", 9104), ("site-notes", 131000)]))
     await pilot.pause()
 
 
@@ -105,6 +115,10 @@ def test_snapshot_empty(snap_compare):
 
 def test_snapshot_document_attached(snap_compare):
     assert snap_compare(make_app(), terminal_size=SIZE, run_before=attach)
+
+
+def test_snapshot_past_context(snap_compare):
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=past_context)
 
 
 def test_snapshot_mid_answer(snap_compare):

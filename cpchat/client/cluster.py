@@ -16,6 +16,7 @@ import grpc
 
 from cpchat.client.events import RankStats, RingStep
 from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks
+from cpchat.core.estimate import PrefillCost
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 
@@ -127,6 +128,7 @@ class Cluster:
         self.model: ModelInfo | None = None
         self.flops_per_s = 0.0
         self.ring_bytes_per_s = 0.0
+        self.prefill_cost: PrefillCost | None = None
         self.ring_id = ""
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(addresses)))
         self._current_request = ""
@@ -236,6 +238,10 @@ class Cluster:
                                                            metadata=self.metadata))
         self.flops_per_s = min(c.flops_per_s for c in results)
         self.ring_bytes_per_s = min(c.ring_bytes_per_s for c in results)
+        # The slowest rank sets the pace.
+        self.prefill_cost = PrefillCost(max(c.prefill_fixed_s for c in results),
+                                        max(c.prefill_per_token_s for c in results),
+                                        max(c.prefill_per_pair_s for c in results))
         return self.model
 
     def close(self) -> None:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cpchat.client.cluster import BadInput, Cluster
-from cpchat.client.documents import read_document, render_user_turn
+from cpchat.client.documents import Document, read_document, render_user_turn
 from cpchat.client.events import (
     AlgorithmChoice,
     Done,
@@ -38,6 +38,25 @@ class Message:
     role: str
     content: str
     docs: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A user turn ready to send: its message, and the whole prompt's token ids with it."""
+
+    content: str
+    docs: list[str]
+    tokens: list[int]
+    history: int  # messages before it: a turn is sent on the conversation it was made on
+
+
+class ContextOverflow(BadInput):
+    """The prompt does not fit the model's context; the numbers are for the user's choice."""
+
+    def __init__(self, prompt_tokens: int, limit: int) -> None:
+        super().__init__(f"the prompt is {prompt_tokens:,} tokens, more than the model's {limit:,}-token "
+                         "context: attach less, or ask about a part of the document")
+        self.prompt_tokens, self.limit = prompt_tokens, limit
 
 
 def load_tokenizer(model: str):
@@ -80,11 +99,31 @@ class Session:
 
     # ---- prompt construction
 
-    def _prompt_tokens(self, text: str) -> list[int]:
+    def _prompt_tokens(self, content: str) -> list[int]:
+        """The conversation so far plus a user message with `content`, as token ids."""
         if self.raw:
-            return self.raw_history + list(self.tokenizer.encode(text, add_special_tokens=False))
+            return self.raw_history + list(self.tokenizer.encode(content, add_special_tokens=False))
         chat = [{"role": m.role, "content": m.content} for m in self.messages]
+        chat.append({"role": "user", "content": content})
         return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True))
+
+    def _kept(self, full: list[int]) -> int:
+        """How many of `full`'s tokens the ring already holds and can keep."""
+        keep = min(common_prefix(self.held, full), len(full) - 1)
+        return 0 if keep < self.keep_floor else keep  # sliding-window layers no longer hold what keep needs
+
+    @property
+    def context_limit(self) -> int:
+        """The model's usable context in tokens (0: unknown)."""
+        return self.cluster.model.max_context
+
+    def prefill_estimate_s(self, turn: Turn) -> float | None:
+        """Seconds the turn's prefill should take, from the ranks' calibration (None: not measured)."""
+        cost = self.cluster.prefill_cost
+        if cost is None or not cost.per_token_s:
+            return None
+        keep = self._kept(turn.tokens)
+        return cost.seconds(len(turn.tokens) - keep, keep, self.cluster.size)
 
     def choose_algorithm(self, new_tokens: int, cached_tokens: int) -> AlgorithmChoice:
         m = self.cluster.model
@@ -131,28 +170,44 @@ class Session:
         self.held.clear()
         self.keep_floor = 0
 
-    def send(self, text: str, docs: list[str | Path] = ()) -> Iterator[Prefill | Progress | Token | Done]:
-        """Add a user turn (documents first) and stream the answer's events."""
-        documents = [read_document(Path(d)) for d in docs]
+    def prepare(self, text: str, docs: Sequence[Document | str | Path] = ()) -> Turn:
+        """A user turn (documents first, read here when given as paths) and its prompt's token ids."""
+        documents = [d if isinstance(d, Document) else read_document(Path(d)) for d in docs]
         content = render_user_turn(documents, text)
         if not content.strip():
             raise BadInput("the prompt is empty")
-        self.messages.append(Message("user", content, [d.name for d in documents]))
+        return Turn(content, [d.name for d in documents], self._prompt_tokens(content), len(self.messages))
+
+    def send(self, text: str, docs: Sequence[Document | str | Path] = (),
+             past_context: bool = False) -> Iterator[Prefill | Progress | Token | Done]:
+        """Add a user turn and stream the answer's events."""
+        yield from self.run(self.prepare(text, docs), past_context)
+
+    def run(self, turn: Turn, past_context: bool = False) -> Iterator[Prefill | Progress | Token | Done]:
+        """Send a prepared turn. A prompt past the model's context is refused (ContextOverflow) unless
+        `past_context`; one that fits gets an answer of at most the tokens left in the context."""
+        if turn.history != len(self.messages):
+            raise ValueError("the turn was prepared on another state of the conversation")
+        limit = self.context_limit
+        if limit and len(turn.tokens) >= limit and not past_context:
+            raise ContextOverflow(len(turn.tokens), limit)
+        max_tokens = self.sampling.max_tokens
+        if limit and len(turn.tokens) < limit:
+            max_tokens = min(max_tokens, limit - len(turn.tokens))
+        self.messages.append(Message("user", turn.content, turn.docs))
         try:
-            yield from self._generate(self._prompt_tokens(content))
+            yield from self._generate(turn.tokens, max_tokens)
         except BaseException:
             if self.messages and self.messages[-1].role == "user":
                 self.messages.pop()
             raise
 
-    def _generate(self, full: list[int]) -> Iterator[Prefill | Progress | Token | Done]:
+    def _generate(self, full: list[int], max_tokens: int) -> Iterator[Prefill | Progress | Token | Done]:
         vocab = self.cluster.model.vocab_size
         bad = [t for t in full if not 0 <= t < vocab]
         if bad:
             raise BadInput(f"token id {bad[0]} is outside the model's vocabulary (size {vocab})")
-        keep = min(common_prefix(self.held, full), len(full) - 1)
-        if keep < self.keep_floor:  # sliding-window layers no longer hold what that would need
-            keep = 0
+        keep = self._kept(full)
         new = full[keep:]
         choice = self.choose_algorithm(len(new), keep)
         self.last_choice = choice
@@ -161,7 +216,7 @@ class Session:
             keep_tokens=keep,
             tokens=new,
             algorithm=pb.PASS_Q if choice.algorithm == "pass_q" else pb.PASS_KV,
-            max_tokens=self.sampling.max_tokens,
+            max_tokens=max_tokens,
             sampling=pb.Sampling(temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed),
             stop_tokens=sorted(self.tokenizer.eos_token_ids),
         )

@@ -82,12 +82,18 @@ class CalibrateRequest(_message.Message):
     def __init__(self, probe_bytes: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class CalibrateReply(_message.Message):
-    __slots__ = ("flops_per_s", "ring_bytes_per_s")
+    __slots__ = ("flops_per_s", "ring_bytes_per_s", "prefill_fixed_s", "prefill_per_token_s", "prefill_per_pair_s")
     FLOPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     RING_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIXED_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PER_PAIR_S_FIELD_NUMBER: _ClassVar[int]
     flops_per_s: float
     ring_bytes_per_s: float
-    def __init__(self, flops_per_s: _Optional[float] = ..., ring_bytes_per_s: _Optional[float] = ...) -> None: ...
+    prefill_fixed_s: float
+    prefill_per_token_s: float
+    prefill_per_pair_s: float
+    def __init__(self, flops_per_s: _Optional[float] = ..., ring_bytes_per_s: _Optional[float] = ..., prefill_fixed_s: _Optional[float] = ..., prefill_per_token_s: _Optional[float] = ..., prefill_per_pair_s: _Optional[float] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "seed")

@@ -17,6 +17,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from cpchat.core.attention import partial_attention
+from cpchat.core.estimate import PrefillCost, line_through
 from cpchat.core.sharding import head_tail_layout, owner_of
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import context_parallel, fit, latent_attention
@@ -62,6 +64,7 @@ def load_model(name: str):
     latent_attention.adapt(model)
     max_positions = int(config.get("max_position_embeddings") or 0)
     exact_tokens = fit.fit_rotary(model, max_positions)
+    usable = fit.usable_context(config)
     if mx.default_device() == mx.cpu:
         use_float32_products(model)
     layers = fit.describe_layers(model, _probe_forward(model))
@@ -74,7 +77,7 @@ def load_model(name: str):
         head_dim=first.key_dim,
         vocab_size=_vocab_size(model, config),
         bytes_per_element=first.dtype_bytes,
-        max_context=max_positions,
+        max_context=min(usable, exact_tokens) if usable and exact_tokens else usable or exact_tokens or 0,
         layers=layers,
         exact_tokens=exact_tokens,
     )
@@ -91,13 +94,12 @@ def _vocab_size(model, config: dict) -> int:
     return int(vocab or model.model.embed_tokens.weight.shape[0])
 
 
-def _probe_forward(model) -> fit.ProbeResult:
-    """One forward through a ring of one rank, laid out as a prefill is (two rows of tokens at
-    different positions), recording what every layer's attention was given."""
+def _probe_forward(model, chunk: int = 3) -> fit.ProbeResult:
+    """One forward through a ring of one rank, laid out as a prefill is (two rows of `chunk`
+    tokens at different positions), recording what every layer's attention was given."""
     slots = fit.cache_slots(model)
     kv = KVShard(len(slots))
     ring = Ring(0, 1, None, Mailbox(lambda frame, size: None))
-    chunk = 3
     positions = np.arange(2 * chunk)
     ring_pass = RingPass(
         request_id="probe", mode="pass_kv", ring=ring, kv=kv, row_offsets=mx.array([0, chunk]),
@@ -115,6 +117,30 @@ def _probe_forward(model) -> fit.ProbeResult:
             f"layout (rows of tokens at different positions, attention through the ring): "
             f"{type(e).__name__}: {e}") from None
     return fit.ProbeResult(slots, ring_pass.calls, kv)
+
+
+def measure_prefill(model, info: ModelInfo) -> PrefillCost:
+    """Time this model here: a forward of 8 tokens and one long enough to take about 0.3 s more
+    (40 to 1024 tokens) for the weights' work, and attention of 256 queries over 1024 keys (all
+    visible) for each query-key pair's."""
+
+    def forward_s(tokens: int) -> float:
+        start = time.perf_counter()
+        _probe_forward(model, tokens // 2)
+        return time.perf_counter() - start
+
+    short = min(forward_s(8), forward_s(8))
+    tokens = int(min(max(8 * 0.3 / max(short, 1e-6), 40), 1024)) // 2 * 2
+    fixed, per_token = line_through(8, short, tokens, forward_s(tokens))
+    layer = info.layers[0]
+    q = mx.random.normal((1, layer.query_heads, 256, layer.key_dim))
+    k = mx.random.normal((1, layer.key_heads, 1024, layer.key_dim))
+    v = mx.random.normal((1, layer.key_heads, 1024, layer.value_dim))
+    mx.eval(q, k, v)
+    start = time.perf_counter()
+    mx.eval(*partial_attention(q, k, v, np.arange(1024, 1280), np.arange(1024), scale=1.0))
+    per_pair = (time.perf_counter() - start) / (256 * 1024) * info.num_layers
+    return PrefillCost(fixed, per_token, per_pair)
 
 
 def _run_model(model, ring_pass: RingPass, ids: mx.array, row: int) -> mx.array:

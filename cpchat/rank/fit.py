@@ -134,6 +134,22 @@ def fit_rotary(model: nn.Module, max_positions: int) -> int | None:
     return limit
 
 
+def usable_context(config: dict) -> int:
+    """The tokens the model was made to attend over (0: its config does not say): the trained
+    positions, or what its RoPE scaling stretches them to (YaRN, linear, dynamic: factor times
+    the original length). Llama 3 and LongRoPE configs already give the stretched length."""
+    config = {**config.get("text_config", {}), **config}
+    trained = next((int(config[k]) for k in ("max_position_embeddings", "max_sequence_length", "n_positions",
+                                              "seq_length", "n_ctx") if config.get(k)), 0)
+    scaling = config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type") or scaling.get("type") or ""
+    factor = float(scaling.get("factor") or 1)
+    if kind in ("yarn", "linear", "dynamic") and factor > 1:
+        original = int(scaling.get("original_max_position_embeddings") or trained)
+        return max(trained, int(factor * original))
+    return trained
+
+
 _mixed: dict[tuple[type, type], type] = {}
 
 

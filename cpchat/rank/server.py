@@ -18,9 +18,10 @@ import grpc
 import mlx.core as mx
 import psutil
 
+from cpchat.core.estimate import PrefillCost
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
-from cpchat.rank.engine import BadRequest, Engine, UnsupportedModel
+from cpchat.rank.engine import BadRequest, Engine, UnsupportedModel, measure_prefill
 from cpchat.rank.ring import Aborted, Mailbox, Ring, RingBroken, RingLink
 from cpchat.rank.wire import CHUNK_BYTES, DTYPES, MAX_BLOCK_BYTES, BlockKey, FrameError, parse_frame
 
@@ -212,7 +213,10 @@ class RankState:
         abort.set()
         return True
 
-    def calibrate(self, probe_bytes: int = PROBE_BYTES, rounds: int = 3) -> tuple[float, float]:
+    def calibrate(self, probe_bytes: int = PROBE_BYTES, rounds: int = 3) -> tuple[float, float, PrefillCost]:
+        """Matrix-product speed, the ring's bandwidth, and the loaded model's prefill cost."""
+        model = self.engine.model
+        cost = measure_prefill(model, self.engine.info) if model is not None else PrefillCost(0, 0, 0)
         n = 512
         a = mx.random.normal((n, n))
         mx.eval(a @ a)
@@ -221,7 +225,7 @@ class RankState:
             mx.eval(a @ a)
         flops = 8 * 2 * n**3 / (time.perf_counter() - t0)
         if self.ring is None or self.ring.size == 1:
-            return flops, float("inf")
+            return flops, float("inf"), cost
         block = [mx.zeros((probe_bytes // 4,), mx.float32)]
         abort = threading.Event()
         deadline = threading.Timer(CALIBRATE_TIMEOUT_S, abort.set)  # a hung neighbour frees the MLX thread
@@ -238,7 +242,7 @@ class RankState:
             self.ring.take(key, abort)
         deadline.cancel()
         self.ring.mailbox.forget(request_id)
-        return flops, block[0].nbytes * rounds / (time.perf_counter() - t0)
+        return flops, block[0].nbytes * rounds / (time.perf_counter() - t0), cost
 
     def stats(self) -> pb.RankStats:
         kv = self.engine.kv
@@ -300,10 +304,12 @@ class ControlServicer(pb_grpc.ControlServicer):
     def Calibrate(self, request, context):
         try:
             probe = min(request.probe_bytes or PROBE_BYTES, MAX_PROBE_BYTES)
-            flops, bandwidth = self.s.on_mlx(self.s.calibrate, probe, min(request.rounds, 20) or 3)
+            flops, bandwidth, cost = self.s.on_mlx(self.s.calibrate, probe, min(request.rounds, 20) or 3)
         except (RingBroken, Aborted) as e:
             context.abort(grpc.StatusCode.ABORTED, str(e))
-        return pb.CalibrateReply(flops_per_s=flops, ring_bytes_per_s=min(bandwidth, 1e15))
+        return pb.CalibrateReply(flops_per_s=flops, ring_bytes_per_s=min(bandwidth, 1e15),
+                                 prefill_fixed_s=cost.fixed_s, prefill_per_token_s=cost.per_token_s,
+                                 prefill_per_pair_s=cost.per_pair_s)
 
     def Generate(self, request, context):
         try:

@@ -24,11 +24,11 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Markdown
 
 from cpchat.client.cluster import BackendError, BadInput, Cluster, ModelInfo
-from cpchat.client.documents import read_document, render_user_turn
+from cpchat.client.documents import Document, DocumentCancelled, read_document, render_sections
 from cpchat.client.events import Done, Prefill, Progress, RankStats, Token
 from cpchat.client.hub import front_end_copy
 from cpchat.client.session import Message as SessionMessage
-from cpchat.client.session import SamplingOptions, Session, load_tokenizer
+from cpchat.client.session import SamplingOptions, Session, Turn, load_tokenizer
 from cpchat.client.settings import Settings, data_dir, resolve_model, resolve_settings
 from cpchat.tui.messages import (
     BackendFailed,
@@ -41,10 +41,11 @@ from cpchat.tui.messages import (
     StatsArrived,
     TokensArrived,
     TurnFinished,
+    TurnPrepared,
     WorkProgress,
 )
 from cpchat.tui.paths import split_paste
-from cpchat.tui.screens import FilePicker, HelpScreen
+from cpchat.tui.screens import AttachmentsScreen, ContextBudget, FilePicker, HelpScreen
 from cpchat.tui.store import Entry, TranscriptStore
 from cpchat.tui.widgets import (
     AttachmentBar,
@@ -114,6 +115,9 @@ class CpchatApp(App[int]):
         self._first_token_at = self._sent_at = 0.0
         self._cancelled = False
         self._failed_ranks: set[int] = set()
+        self._reading: threading.Event | None = None  # set it to stop the document being read
+        self._preparing = False
+        self._prefill_expected: float | None = None
         self._ring_steps: dict[int, RankStats] = {}
 
     # ---- layout
@@ -286,8 +290,9 @@ class CpchatApp(App[int]):
         if message.total <= 0 or (message.phase != "prefill" and message.done >= message.total):
             bar.hide()
         else:
-            label = WORK_LABELS.get(message.phase, message.phase)
-            bar.show(message.phase, label, message.done, message.total)
+            label = message.label or WORK_LABELS.get(message.phase, message.phase)
+            expected = self._prefill_expected if message.phase == "prefill" else None
+            bar.show(message.phase, label, message.done, message.total, expected_s=expected)
 
     def on_unmount(self) -> None:
         """Stop everything that waits on the ranks; close the ranks we launched."""
@@ -321,13 +326,58 @@ class CpchatApp(App[int]):
         if self.failed:
             self.notify("A rank has failed: press Ctrl+R to relaunch the ranks.", severity="error")
             return
-        docs = [c.document for c in chips]
-        entry = Entry("user", text, render_user_turn(docs, text), [d.name for d in docs])
-        prompt.remember(event.text)
+        if self._preparing:
+            return
+        self._preparing = True
+        self.prepare_turn(event.text, text, [c.document for c in chips])
+
+    @work(thread=True, group="prepare", exit_on_error=False)
+    def prepare_turn(self, typed: str, text: str, documents: list[Document]) -> None:
+        """Tokenize the prompt off the loop (a long document takes seconds) and estimate its prefill."""
+        session = self.session
+        assert session is not None
+        try:
+            turn = session.prepare(text, documents)
+        except BadInput as e:
+            self.post_message(Notice(str(e), "error"))
+            self.post_message(TurnPrepared(typed, None))
+            return
+        self.post_message(TurnPrepared(typed, turn, session.prefill_estimate_s(turn)))
+
+    async def on_turn_prepared(self, message: TurnPrepared) -> None:
+        self._preparing = False
+        turn = message.turn
+        if turn is None or self.session is None:
+            return
+        limit = self.session.context_limit
+        if not limit or len(turn.tokens) < limit:
+            await self._send(message, past_context=False)
+            return
+        chips = self.query_one(AttachmentBar).chips()
+
+        async def decided(choice: str | None) -> None:
+            if choice == "send":
+                await self._send(message, past_context=True)
+            elif choice and choice.startswith("remove:"):
+                await self.query_one(AttachmentBar).remove_chip(chips[int(choice.partition(":")[2])])
+                self.post_message(ChatInput.Submitted(message.typed))
+
+        attachments = [(c.document.name, c.tokens) for c in chips]
+        self.push_screen(ContextBudget(len(turn.tokens), limit, attachments), decided)
+
+    async def _send(self, message: TurnPrepared, past_context: bool) -> None:
+        turn = message.turn
+        assert turn is not None
+        prompt = self.query_one(ChatInput)
+        entry = Entry("user", message.typed.strip(), turn.content, turn.docs)
+        prompt.remember(message.typed)
         prompt.clear()
         await self.query_one(AttachmentBar).clear()
         await self.show_turn(entry)
-        self.generate(text, [c.path for c in chips], entry)
+        self._prefill_expected = message.expected_s
+        if self.model is not None:
+            self.post_message(WorkProgress("prefill", 0, self.model.num_layers))
+        self.generate(turn, entry, past_context)
 
     async def show_turn(self, entry: Entry) -> None:
         """Show the user's message and an empty answer that tokens will stream into."""
@@ -344,14 +394,14 @@ class CpchatApp(App[int]):
         transcript.scroll_end(animate=False)
 
     @work(thread=True, group="generate", exclusive=True, exit_on_error=False)
-    def generate(self, text: str, paths: list[Path], entry: Entry) -> None:
+    def generate(self, turn: Turn, entry: Entry, past_context: bool) -> None:
         """Run a turn; every event becomes a message. Tokens are saved before they are shown."""
         session = self.session
         assert session is not None
         self.store.add(entry)
         streamed = False
         try:
-            for event in session.send(text, paths):
+            for event in session.run(turn, past_context):
                 if isinstance(event, Token):
                     streamed = True
                     self.store.delta(event.text)
@@ -434,7 +484,10 @@ class CpchatApp(App[int]):
         self.notify(message.text, severity=message.severity, timeout=message.timeout)  # type: ignore[arg-type]
 
     def action_stop(self) -> None:
-        """Esc: stop the answer now; what arrived stays."""
+        """Esc: stop the reading of a document, or the answer now (what arrived stays)."""
+        if self._reading is not None:
+            self._reading.set()
+            return
         if not self.busy or self.session is None:
             return
         self._cancelled = True
@@ -446,7 +499,7 @@ class CpchatApp(App[int]):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
-            return True if self.busy else None
+            return True if self.busy or self._reading is not None else None
         if action == "relaunch":
             return self.failed
         return True
@@ -459,24 +512,45 @@ class CpchatApp(App[int]):
 
     @work(thread=True, group="attach", exit_on_error=False)
     def attach_paths(self, paths: list[Path]) -> None:
-        """Read each document off the loop; a bad one becomes a notice, never a crash."""
-        for path in paths:
-            try:
-                document = read_document(path)
-            except BadInput as e:
-                self.post_message(Notice(str(e), "error"))
-                continue
-            tokens = self._count(document.text)
-            self.post_message(DocumentRead(path, document, tokens))
+        """Read each document off the loop, with progress; a bad one becomes a notice, never a
+        crash, and Esc stops the reading (of this path and the rest)."""
+        cancel = self._reading = threading.Event()
+        try:
+            for path in paths:
+                try:
+                    document = read_document(path, self._read_progress(path.name), cancel)
+                except BadInput as e:
+                    self.post_message(Notice(str(e), "error"))
+                    continue
+                except DocumentCancelled:
+                    self.post_message(Notice(f"Stopped reading {path.name}; nothing was attached from it."))
+                    break
+                self.post_message(WorkProgress("read", 0, 0))
+                self.post_message(DocumentRead(path, document, self._count(document)))
+        finally:
+            self._reading = None
+            self.post_message(WorkProgress("read", 0, 0))
 
-    def _count(self, text: str) -> int | None:
+    def _read_progress(self, name: str):
+        """Reports of pages or files read, at most ten a second."""
+        last = [0.0]
+
+        def report(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 0.1 or done == total:
+                last[0] = now
+                self.post_message(WorkProgress("read", done, total, f"Reading {name}"))
+
+        return report
+
+    def _count(self, document: Document) -> int | None:
         tokenizer = self.tokenizer
-        return len(tokenizer.encode(text)) if tokenizer is not None else None
+        return len(tokenizer.encode(render_sections(document))) if tokenizer is not None else None
 
     @work(thread=True, group="attach", exit_on_error=False)
     def count_tokens(self, chips: list[AttachmentChip]) -> None:
         for chip in chips:
-            tokens = self._count(chip.document.text)
+            tokens = self._count(chip.document)
             self.call_from_thread(setattr, chip, "tokens", tokens)
 
     async def on_document_read(self, message: DocumentRead) -> None:
@@ -490,6 +564,13 @@ class CpchatApp(App[int]):
         if message.tokens and limit and message.tokens > limit:
             self.notify(f"{message.document.name} has {message.tokens:,} tokens, more than the model's "
                         f"{limit:,}-token context.", severity="warning")
+
+    def on_attachment_chip_show(self, message: AttachmentChip.Show) -> None:
+        self.push_screen(AttachmentsScreen([(message.chip.document, message.chip.tokens)]))
+
+    def action_list_attachments(self) -> None:
+        chips = self.query_one(AttachmentBar).chips()
+        self.push_screen(AttachmentsScreen([(c.document, c.tokens) for c in chips]))
 
     async def on_attachment_chip_remove(self, message: AttachmentChip.Remove) -> None:
         await self.query_one(AttachmentBar).remove_chip(message.chip)
@@ -527,6 +608,8 @@ class CpchatApp(App[int]):
         yield from super().get_system_commands(screen)
         yield SystemCommand("Attach file", "Pick a document to include in the next message",
                             self.action_attach_file)
+        yield SystemCommand("List attachments", "What goes into the next message, a folder's files too",
+                            self.action_list_attachments)
         yield SystemCommand("Clear conversation", "Forget the conversation and the ranks' KV cache",
                             self.action_clear)
         for algorithm in ALGORITHMS:

@@ -13,6 +13,7 @@ from textual.message import Message
 
 from cpchat.client.cluster import ModelInfo
 from cpchat.client.events import AlgorithmChoice, Done, Prefill, RankStats
+from cpchat.client.session import Turn
 
 
 @dataclass
@@ -38,11 +39,12 @@ class BackendFailed(Message):
 
 
 class WorkProgress(Message):
-    """Long work under way: phase "download" (MiB), "connect", "load" or "prefill"; done of total."""
+    """Long work under way: phase "download" (MiB), "connect", "load", "read" (a document's pages
+    or a folder's files: `label` names it) or "prefill"; done of total."""
 
-    def __init__(self, phase: str, done: int, total: int) -> None:
+    def __init__(self, phase: str, done: int, total: int, label: str = "") -> None:
         super().__init__()
-        self.phase, self.done, self.total = phase, done, total
+        self.phase, self.done, self.total, self.label = phase, done, total, label
 
 
 class StatsArrived(Message):
@@ -79,6 +81,15 @@ class DocumentRead(Message):
     def __init__(self, path, document, tokens: int | None) -> None:
         super().__init__()
         self.path, self.document, self.tokens = path, document, tokens
+
+
+class TurnPrepared(Message):
+    """A prompt was read into tokens (`turn`, None when it could not be) and is ready to send or to
+    be weighed against the model's context; `expected_s` is the prefill's estimate."""
+
+    def __init__(self, typed: str, turn: Turn | None, expected_s: float | None = None) -> None:
+        super().__init__()
+        self.typed, self.turn, self.expected_s = typed, turn, expected_s
 
 
 class Notice(Message):

@@ -3,7 +3,8 @@
 Terminals paste dropped files as their paths: plain, 'single' or "double"
 quoted, with backslash-escaped spaces, or as file:// URIs (percent-encoded),
 separated by spaces or newlines. A paste counts as a drop only when every
-item names an existing file; anything else is ordinary text.
+item names an existing file, or a folder written as a path (with a `/`: a
+bare word that happens to name a folder is text); anything else is ordinary text.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def split_paste(text: str) -> list[str] | None:
 
 
 def parse_dropped_paths(text: str, cwd: Path | None = None) -> list[Path] | None:
-    """The existing files a paste names, or None when it is text to insert.
+    """The existing files and folders a paste names, or None when it is text to insert.
 
     A single path with unescaped spaces (some terminals paste it so) is tried
     as a whole before giving up.
@@ -54,7 +55,7 @@ def parse_dropped_paths(text: str, cwd: Path | None = None) -> list[Path] | None
     def existing(item: str) -> Path | None:
         path = Path(os.path.expanduser(item))
         path = path if path.is_absolute() else base / path
-        return path if path.is_file() else None
+        return path if path.is_file() or ("/" in item and path.is_dir()) else None
 
     items = split_paste(text)
     if items:

@@ -1,9 +1,10 @@
-"""Attachment chips above the prompt: name, size, token count, and a button to remove."""
+"""Attachment chips above the prompt: name, format, pages or files, token count, and a button to remove."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Horizontal, HorizontalGroup
 from textual.message import Message
@@ -24,6 +25,13 @@ class AttachmentChip(HorizontalGroup):
             super().__init__()
             self.chip = chip
 
+    class Show(Message):
+        """The chip was clicked: show what the document holds."""
+
+        def __init__(self, chip: AttachmentChip) -> None:
+            super().__init__()
+            self.chip = chip
+
     def __init__(self, path: Path, document: Document, tokens: int | None = None) -> None:
         super().__init__(classes="chip")
         self.path, self.document = path, document
@@ -34,8 +42,16 @@ class AttachmentChip(HorizontalGroup):
         yield Button("×", compact=True, classes="chip-remove", tooltip=f"Remove {self.document.name}")
 
     def _caption(self) -> str:
+        d = self.document
         tokens = "… tok" if self.tokens is None else f"{human_count(self.tokens)} tok"
-        return f"{self.document.name} · {human_bytes(self.document.size)} · {tokens}"
+        if d.kind == "folder":
+            return f"{d.name}/ · {d.files} file{'s' * (d.files != 1)} · {tokens}"
+        detail = f"{d.pages} {d.unit}" if d.pages else human_bytes(d.size)
+        return f"{d.name} · {d.kind} · {detail} · {tokens}"
+
+    def on_click(self, event: events.Click) -> None:
+        if not isinstance(event.widget, Button):
+            self.post_message(self.Show(self))
 
     def watch_tokens(self) -> None:
         if self.is_mounted:

@@ -1,0 +1,79 @@
+"""The model's context is a budget: known before a prefill starts, refused past it unless the user
+insists, answers cut at its end; and the prefill's estimate from what the ranks measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpchat.client.session import ContextOverflow, SamplingOptions, Session, load_tokenizer
+from cpchat.core.estimate import PrefillCost, human_duration, line_through
+from cpchat.rank.fit import usable_context
+from cpchat.smallmodels import write_model
+
+CONTEXT = 160
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory):
+    """A llama whose config says it was made for 160 positions."""
+    return write_model(tmp_path_factory.mktemp("short") / "llama", "llama", max_position_embeddings=CONTEXT)
+
+
+def test_usable_context_reads_rope_scaling():
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert usable_context({"max_position_embeddings": 40960, "rope_scaling": yarn}) == 131072  # Qwen3 + YaRN
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    assert usable_context({"max_position_embeddings": 131072, "rope_scaling": llama3}) == 131072
+    linear = {"type": "linear", "factor": 2}
+    assert usable_context({"max_position_embeddings": 4096, "rope_scaling": linear}) == 8192
+    assert usable_context({"text_config": {"max_position_embeddings": 131072}}) == 131072  # gemma 3
+    assert usable_context({"n_positions": 1024}) == 1024
+    assert usable_context({}) == 0
+
+
+def test_prefill_cost_grows_with_tokens_and_context_and_shrinks_with_ranks():
+    cost = PrefillCost(fixed_s=0.01, per_token_s=1e-4, per_pair_s=1e-9)
+    assert cost.seconds(1000, 0, 1) == pytest.approx(0.01 + 0.1 + 1e-9 * 1000 * 500)
+    assert cost.seconds(1000, 0, 2) == pytest.approx(0.01 + 0.05 + 1e-9 * 500 * 500)
+    assert cost.seconds(1000, 4000, 2) > cost.seconds(1000, 0, 2)
+    assert line_through(8, 0.5, 40, 1.3) == pytest.approx((0.3, 0.025))
+    assert line_through(8, 0.5, 40, 0.4) == (0.5, 0.0), "noise never gives a negative cost"
+    assert [human_duration(s) for s in (0.2, 42, 150, 4000)] == ["1 s", "42 s", "2 min", "1 h 7 min"]
+
+
+def session_on(clusters, model, max_tokens: int = 200) -> Session:
+    cluster = clusters.get(2, model)
+    sampling = SamplingOptions(max_tokens=max_tokens, temperature=0.0)
+    return Session(cluster, load_tokenizer(str(model)), raw=True, sampling=sampling)
+
+
+def test_the_ranks_report_the_context_and_a_measured_prefill_cost(clusters, short_model):
+    session = session_on(clusters, short_model)
+    assert session.context_limit == CONTEXT
+    cost = session.cluster.prefill_cost
+    assert cost.per_token_s > 0 and cost.per_pair_s > 0
+    short, long = session.prepare("one two three"), session.prepare("word " * 100)
+    assert 0 < session.prefill_estimate_s(short) < session.prefill_estimate_s(long)
+
+
+def test_a_prompt_past_the_context_is_refused_unless_the_user_insists(clusters, short_model):
+    session = session_on(clusters, short_model, max_tokens=4)
+    turn = session.prepare("word " * 200)
+    assert len(turn.tokens) >= CONTEXT
+    with pytest.raises(ContextOverflow) as e:
+        list(session.run(turn))
+    assert (e.value.prompt_tokens, e.value.limit) == (len(turn.tokens), CONTEXT)
+    assert f"{len(turn.tokens):,} tokens" in str(e.value) and f"{CONTEXT:,}-token context" in str(e.value)
+    assert session.messages == [] and session.held == []
+    done = list(session.run(turn, past_context=True))[-1]
+    assert done.prompt_tokens == len(turn.tokens) and done.generated_tokens == 4
+    assert sum(r.kv_tokens for r in done.ranks) == len(turn.tokens) + 3, "the refused turn left nothing"
+
+
+def test_an_answer_stops_at_the_end_of_the_context(clusters, short_model):
+    session = session_on(clusters, short_model, max_tokens=200)
+    turn = session.prepare("word " * 40)
+    assert CONTEXT - 60 < len(turn.tokens) < CONTEXT - 10
+    done = list(session.run(turn))[-1]
+    assert done.generated_tokens == CONTEXT - len(turn.tokens), "cut at the context's end, not at max_tokens"
+    assert done.prompt_tokens + done.generated_tokens <= CONTEXT
