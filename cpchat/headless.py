@@ -104,7 +104,7 @@ def run_headless(args: argparse.Namespace) -> int:
         session = Session(cluster, tokenizer, raw=args.raw, algorithm=settings.algorithm, sampling=sampling)
         for text, docs in read_turns(args):
             turn = session.prepare(text, docs)
-            estimate = session.prefill_estimate_s(turn)
+            estimate = session.prefill_estimate_s(turn) if session.fits(turn) else None
             if estimate is not None and estimate > LONG_PREFILL_S:
                 print(f"cpchat: {len(turn.tokens):,} prompt tokens; the prefill should take about "
                       f"{human_duration(estimate)}", file=sys.stderr, flush=True)

@@ -117,6 +117,10 @@ class Session:
         """The model's usable context in tokens (0: unknown)."""
         return self.cluster.model.max_context
 
+    def fits(self, turn: Turn) -> bool:
+        """Whether the prompt leaves room for at least one answer token in the model's context."""
+        return not self.context_limit or len(turn.tokens) < self.context_limit
+
     def prefill_estimate_s(self, turn: Turn) -> float | None:
         """Seconds the turn's prefill should take, from the ranks' calibration (None: not measured)."""
         cost = self.cluster.prefill_cost
@@ -189,10 +193,10 @@ class Session:
         if turn.history != len(self.messages):
             raise ValueError("the turn was prepared on another state of the conversation")
         limit = self.context_limit
-        if limit and len(turn.tokens) >= limit and not past_context:
+        if not self.fits(turn) and not past_context:
             raise ContextOverflow(len(turn.tokens), limit)
         max_tokens = self.sampling.max_tokens
-        if limit and len(turn.tokens) < limit:
+        if limit and self.fits(turn):
             max_tokens = min(max_tokens, limit - len(turn.tokens))
         self.messages.append(Message("user", turn.content, turn.docs))
         try:

@@ -121,8 +121,8 @@ def _probe_forward(model, chunk: int = 3) -> fit.ProbeResult:
 
 def measure_prefill(model, info: ModelInfo) -> PrefillCost:
     """Time this model here: a forward of 8 tokens and one long enough to take about 0.3 s more
-    (40 to 1024 tokens) for the weights' work, and attention of 256 queries over 1024 keys (all
-    visible) for each query-key pair's."""
+    (40 to 1024 tokens) for the weights' work, and attention of 1024 queries over 2048 keys (all
+    visible: a prefill's tiles are that large) for each query-key pair's."""
 
     def forward_s(tokens: int) -> float:
         start = time.perf_counter()
@@ -132,14 +132,18 @@ def measure_prefill(model, info: ModelInfo) -> PrefillCost:
     short = min(forward_s(8), forward_s(8))
     tokens = int(min(max(8 * 0.3 / max(short, 1e-6), 40), 1024)) // 2 * 2
     fixed, per_token = line_through(8, short, tokens, forward_s(tokens))
-    layer = info.layers[0]
-    q = mx.random.normal((1, layer.query_heads, 256, layer.key_dim))
-    k = mx.random.normal((1, layer.key_heads, 1024, layer.key_dim))
-    v = mx.random.normal((1, layer.key_heads, 1024, layer.value_dim))
+    layer, queries, keys = info.layers[0], 1024, 2048
+    q = mx.random.normal((1, layer.query_heads, queries, layer.key_dim))
+    k = mx.random.normal((1, layer.key_heads, keys, layer.key_dim))
+    v = mx.random.normal((1, layer.key_heads, keys, layer.value_dim))
     mx.eval(q, k, v)
-    start = time.perf_counter()
-    mx.eval(*partial_attention(q, k, v, np.arange(1024, 1280), np.arange(1024), scale=1.0))
-    per_pair = (time.perf_counter() - start) / (256 * 1024) * info.num_layers
+
+    def attention_s() -> float:
+        start = time.perf_counter()
+        mx.eval(*partial_attention(q, k, v, np.arange(keys, keys + queries), np.arange(keys), scale=1.0))
+        return time.perf_counter() - start
+
+    per_pair = min(attention_s(), attention_s()) / (queries * keys) * info.num_layers
     return PrefillCost(fixed, per_token, per_pair)
 
 

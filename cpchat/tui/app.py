@@ -349,8 +349,7 @@ class CpchatApp(App[int]):
         turn = message.turn
         if turn is None or self.session is None:
             return
-        limit = self.session.context_limit
-        if not limit or len(turn.tokens) < limit:
+        if self.session.fits(turn):
             await self._send(message, past_context=False)
             return
         chips = self.query_one(AttachmentBar).chips()
@@ -363,7 +362,7 @@ class CpchatApp(App[int]):
                 self.post_message(ChatInput.Submitted(message.typed))
 
         attachments = [(c.document.name, c.tokens) for c in chips]
-        self.push_screen(ContextBudget(len(turn.tokens), limit, attachments), decided)
+        self.push_screen(ContextBudget(len(turn.tokens), self.session.context_limit, attachments), decided)
 
     async def _send(self, message: TurnPrepared, past_context: bool) -> None:
         turn = message.turn
