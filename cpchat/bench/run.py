@@ -44,6 +44,7 @@ class Row:
     algorithm: str = ""
     hidden_share: float | None = None
     blas: str = "openblas"
+    estimate_s: float | None = None  # the prefill time cpchat predicted from the ranks' calibration
 
     def best(self, name: str) -> float:
         values = getattr(self, name)
@@ -241,7 +242,8 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, fast_blas: bool) -
         bandwidth = ring_bandwidth(cluster, 16 * MB) if n > 1 else 0.0
         for context in contexts:
             ids = prompt_ids(cluster.model.vocab_size, context)
-            row = Row(f"cpchat N={n}", n, context, blas="openblas" if fast_blas else "reference")
+            row = Row(f"cpchat N={n}", n, context, blas="openblas" if fast_blas else "reference",
+                      estimate_s=cluster.prefill_cost.seconds(context, 0, n))
             for _ in range(args.repeats):
                 cluster.reset(0)
                 session = Session(
@@ -370,19 +372,23 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         lines += [
             "",
             "| system | BLAS | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s | vs mlx-lm "
-            "| KV MiB/rank | peak MiB/rank | hidden comm |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| KV MiB/rank | peak MiB/rank | hidden comm | prefill estimate |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
     for r in rows:
         b = base.get((r.context, r.blas))
         pre_ratio = f"{r.best('prefill_tokens_per_s') / b.best('prefill_tokens_per_s'):.2f}×" if b else ""
         dec_ratio = f"{r.best('decode_tokens_per_s') / b.best('decode_tokens_per_s'):.2f}×" if b else ""
         hidden = f"{100 * r.hidden_share:.0f}%" if r.hidden_share is not None else ""
+        measured_s = r.context / r.best("prefill_tokens_per_s") if r.prefill_tokens_per_s else 0.0
+        estimate = ""
+        if r.estimate_s and measured_s:  # predicted seconds, and as a multiple of the measured ones
+            estimate = f"{r.estimate_s:.2f} s ({r.estimate_s / measured_s:.2f}×)"
         lines.append(
             f"| {r.system} | {r.blas} | {r.context} | {r.best('ttft_ms'):.0f} "
             f"| {r.best('prefill_tokens_per_s'):.0f} | {pre_ratio} | {r.best('decode_tokens_per_s'):.1f} "
             f"| {dec_ratio} | {r.kv_bytes_per_rank / MB:.1f} "
-            f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} |"
+            f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} | {estimate} |"
         )
     if transport:
         lines += [

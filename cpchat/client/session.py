@@ -24,6 +24,8 @@ from cpchat.client.events import (
 from cpchat.core.heuristics import explain_algorithm
 from cpchat.protocol import cpchat_pb2 as pb
 
+Event = Prefill | Progress | Token | Done
+
 
 @dataclass
 class SamplingOptions:
@@ -183,11 +185,11 @@ class Session:
         return Turn(content, [d.name for d in documents], self._prompt_tokens(content), len(self.messages))
 
     def send(self, text: str, docs: Sequence[Document | str | Path] = (),
-             past_context: bool = False) -> Iterator[Prefill | Progress | Token | Done]:
+             past_context: bool = False) -> Iterator[Event]:
         """Add a user turn and stream the answer's events."""
         yield from self.run(self.prepare(text, docs), past_context)
 
-    def run(self, turn: Turn, past_context: bool = False) -> Iterator[Prefill | Progress | Token | Done]:
+    def run(self, turn: Turn, past_context: bool = False) -> Iterator[Event]:
         """Send a prepared turn. A prompt past the model's context is refused (ContextOverflow) unless
         `past_context`; one that fits gets an answer of at most the tokens left in the context."""
         if turn.history != len(self.messages):
@@ -206,7 +208,7 @@ class Session:
                 self.messages.pop()
             raise
 
-    def _generate(self, full: list[int], max_tokens: int) -> Iterator[Prefill | Progress | Token | Done]:
+    def _generate(self, full: list[int], max_tokens: int | None = None) -> Iterator[Event]:
         vocab = self.cluster.model.vocab_size
         bad = [t for t in full if not 0 <= t < vocab]
         if bad:
@@ -220,7 +222,7 @@ class Session:
             keep_tokens=keep,
             tokens=new,
             algorithm=pb.PASS_Q if choice.algorithm == "pass_q" else pb.PASS_KV,
-            max_tokens=max_tokens,
+            max_tokens=self.sampling.max_tokens if max_tokens is None else max_tokens,
             sampling=pb.Sampling(temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed),
             stop_tokens=sorted(self.tokenizer.eos_token_ids),
         )
