@@ -9,6 +9,8 @@ import stat
 import sys
 from pathlib import Path
 
+from cpchat import __version__
+
 EXIT_OK, EXIT_USAGE, EXIT_BACKEND = 0, 2, 3
 
 
@@ -18,6 +20,7 @@ def app_parser() -> argparse.ArgumentParser:
         description="Chat over very long contexts with context-parallel attention across rank processes.",
         epilog="Subcommands: 'cpchat rank --help' (serve a rank), 'cpchat bench --help' (benchmarks).",
     )
+    p.add_argument("--version", action="version", version=f"cpchat {__version__}")
     p.add_argument("--model", help="mlx-lm model directory or hub id ORG/NAME[@rev] (default: demo model)")
     p.add_argument("--ranks", type=int, default=None, help="launch N local rank processes (default 2)")
     ring = p.add_mutually_exclusive_group()

@@ -18,6 +18,8 @@ import pytest
 from helpers import reference_generate, reference_model
 from makedocs import write_pdf
 
+import cpchat
+
 CPCHAT = [sys.executable, "-m", "cpchat"]
 SAMPLE_DOC = Path(__file__).resolve().parents[1] / "assets" / "sample-doc.txt"
 
@@ -70,7 +72,7 @@ def test_json_events_match_mlx_lm(model_dir):
     evs = events(result.stdout)
     assert [e["event"] for e in evs] == ["ready", "prefill"] + ["token"] * (len(evs) - 3) + ["done"]
     ready, prefill, done = evs[0], evs[1], evs[-1]
-    assert [r["rank"] for r in ready["ranks"]] == [0, 1]
+    assert [r["rank"] for r in ready["ranks"]] == [0, 1] and ready["version"] == cpchat.__version__
     assert all(r["address"].startswith("127.0.0.1:") for r in ready["ranks"])
     _, tokenizer = reference_model(path)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
@@ -165,6 +167,21 @@ def test_a_prompt_past_the_context_exits_2_with_both_numbers(tmp_path):
     result = run(["--headless", "--model", str(model), "--doc", str(doc), "--prompt", "What?"], timeout=60)
     one_line_error(result, 2, "the model's 96-token context")
     assert re.search(r"the prompt is [\d,]+ tokens", result.stderr), result.stderr
+
+
+def test_version_comes_from_one_place():
+    result = subprocess.run(CPCHAT + ["--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout == f"cpchat {cpchat.__version__}\n"
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'attr = "cpchat.__version__"' in pyproject
+
+
+def test_the_demo_model_is_described_by_its_model_card():
+    from cpchat.client.settings import demo_model
+
+    path, description = demo_model()
+    first = " ".join((path / "README.md").read_text().split("\n\n")[1].split()).split(". ")[0]
+    assert description.startswith("the built-in demo model, " + first[0].lower() + first[1:])
 
 
 @pytest.mark.parametrize(

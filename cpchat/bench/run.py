@@ -80,7 +80,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-overlap", action="store_true", help="skip the extra pass-KV prefill that measures overlap"
     )
-    p.add_argument("--out", default=str(REPO_ASSETS / "bench"), help="where results.md/.json/.png go")
+    out = REPO_ASSETS / "bench" if REPO_ASSETS.is_dir() else Path("cpchat-bench")  # a checkout, or here
+    p.add_argument("--out", default=str(out), help="where results.md/.json/.png go")
     p.add_argument(
         "--attention",
         metavar="LENGTHS",

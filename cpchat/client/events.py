@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cpchat import __version__
+
 
 @dataclass
 class RankAddress:
@@ -20,6 +22,7 @@ class RankAddress:
 class Ready:
     model: str
     ranks: list[RankAddress]
+    version: str = __version__  # cpchat's
 
 
 @dataclass

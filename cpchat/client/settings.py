@@ -22,6 +22,14 @@ from cpchat.client.cluster import BadInput
 from cpchat.client.hub import is_hub_id
 
 REPO_ASSETS = Path(__file__).resolve().parents[2] / "assets"
+INSTALLED_ASSETS = Path(__file__).resolve().parents[1] / "bundled"  # assets/ as the wheel maps it
+
+
+def bundled(name: str) -> Path:
+    """A file cpchat ships (the demo model, the sample document): where the installed package
+    carries it, or in assets/ of a source checkout."""
+    installed = INSTALLED_ASSETS / name
+    return installed if installed.exists() else REPO_ASSETS / name
 
 
 def config_dir() -> Path:
@@ -114,18 +122,27 @@ def resolve_settings(args: argparse.Namespace, config_file: Path | None = None) 
 
 def demo_model() -> tuple[Path, str]:
     """The built-in demo model and a plain description of it."""
-    trained = REPO_ASSETS / "demo-model"
+    trained = bundled("demo-model")
     if (trained / "config.json").exists():
-        return trained, (
-            "the built-in demo model: a 3M-parameter llama trained on document questions, still undertrained "
-            "(it knows the answer format, not yet reliable retrieval; see assets/demo-model/README.md)"
-        )
+        card = trained / "README.md"
+        return trained, f"the built-in demo model, {model_card_summary(trained)} (model card: {card})"
     from cpchat.smallmodels import write_model
 
     path = cache_dir() / "random-demo-model"
     if not (path / "model.safetensors").exists():
         write_model(path, "llama", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)
     return path, "a random-weights llama (no trained demo model is installed): it shows the machinery only"
+
+
+def model_card_summary(model: Path) -> str:
+    """The first sentence of a model card's first paragraph, lower-cased to follow a comma: the one
+    description of the demo model, so that it cannot go stale."""
+    card = (model / "README.md").read_text(encoding="utf-8") if (model / "README.md").exists() else ""
+    paragraphs = [p for p in card.split("\n\n") if p.strip() and not p.startswith("#")]
+    if not paragraphs:
+        return "a small model"
+    sentence = " ".join(paragraphs[0].split()).split(". ")[0].rstrip(".")
+    return sentence[:1].lower() + sentence[1:]
 
 
 def resolve_model(model: str) -> tuple[str, str]:

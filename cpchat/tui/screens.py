@@ -10,11 +10,12 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, DirectoryTree, Input, Label, Markdown
 
+from cpchat import __version__
 from cpchat.client.documents import Document
 from cpchat.tui.format import human_bytes, human_count
 
-HELP = """\
-# cpchat
+HELP = f"""\
+# cpchat {__version__}
 
 Chat about long documents; attention runs context-parallel over the ranks on the right.
 

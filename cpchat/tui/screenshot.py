@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from cpchat.client.settings import REPO_ASSETS, Settings, resolve_model
+from cpchat.client.settings import REPO_ASSETS, Settings, bundled, resolve_model
 from cpchat.tui.app import CpchatApp
 from cpchat.tui.widgets import AttachmentChip, ChatInput, RanksPanel
 
@@ -58,7 +58,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="")
     p.add_argument("--out", type=Path, default=REPO_ASSETS / "screenshot")
-    p.add_argument("--doc", type=Path, default=REPO_ASSETS / "sample-doc.txt")
+    p.add_argument("--doc", type=Path, default=bundled("sample-doc.txt"))
     p.add_argument("--question", default="What is the access code for the Orion vault?")
     args = p.parse_args()
     asyncio.run(capture(args.model, args.out, args.doc.resolve(), args.question))
