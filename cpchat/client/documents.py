@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cpchat.client.cluster import BadInput
 from cpchat.client.folders import ListingCancelled, list_folder
-from cpchat.client.formats import Progress, ReadCancelled, Unreadable, extract
+from cpchat.client.formats import Progress, ReadCancelled, Steps, Unreadable, extract
 
 MAX_FILE_BYTES = 256 << 20  # a file on disk (a PDF of scans can be large; its text is what counts)
 MAX_FOLDER_TEXT = 8_000_000  # characters of a folder's text: millions of tokens, past any model's context
@@ -79,15 +79,13 @@ def read_folder(root: Path, progress: Progress | None = None,
     """The folder's documents as one set, each named by its path from the folder's parent;
     what was skipped (ignored, vendored, binary, unreadable, past the cap) is summarised."""
     listing = list_folder(root, cancel)
+    step = Steps(progress, cancel)
     sections: list[Section] = []
     left_out = list(listing.left_out)
     unreadable: list[str] = []
     size = chars = 0
     for i, relative in enumerate(listing.files):
-        if cancel is not None and cancel.is_set():
-            raise ListingCancelled
-        if progress is not None:
-            progress(i, len(listing.files))
+        step(i, len(listing.files))
         if chars > MAX_FOLDER_TEXT:
             rest = len(listing.files) - i
             left_out.append(f"{rest} file{'s' * (rest > 1)} past the cap of {MAX_FOLDER_TEXT:,} characters, "
@@ -105,8 +103,7 @@ def read_folder(root: Path, progress: Progress | None = None,
         sections.append(Section(f"{root.name}/{relative.as_posix()}", text))
         size += len(data)
         chars += len(text)
-    if progress is not None:
-        progress(len(listing.files), len(listing.files))
+    step(len(listing.files), len(listing.files))
     if unreadable:
         left_out.append(f"{len(unreadable)} unreadable: " + "; ".join(unreadable[:3])
                         + (" …" if len(unreadable) > 3 else ""))

@@ -57,7 +57,7 @@ def extract(name: str, data: bytes, progress: Progress | None = None,
             cancel: threading.Event | None = None) -> Extracted:
     """The text of one file, by what its bytes are (the extension only breaks ties)."""
     suffix = PurePosixPath(name).suffix.lower()
-    step = _Steps(progress, cancel)
+    step = Steps(progress, cancel)
     if data.startswith(b"%PDF-") or suffix == ".pdf":
         return pdf_text(data, step)
     if data.startswith(b"PK\x03\x04"):
@@ -84,8 +84,8 @@ def decode_text(data: bytes) -> str:
         raise Unreadable("is not UTF-8 text") from None
 
 
-class _Steps:
-    """Progress reports and the cancel check, between pages or chapters."""
+class Steps:
+    """Progress reports and the cancel check, between pages, chapters or a folder's files."""
 
     def __init__(self, progress: Progress | None, cancel: threading.Event | None) -> None:
         self.progress, self.cancel = progress, cancel
@@ -100,7 +100,7 @@ class _Steps:
 # ---- PDF
 
 
-def pdf_text(data: bytes, step: _Steps) -> Extracted:
+def pdf_text(data: bytes, step: Steps) -> Extracted:
     import pypdfium2 as pdfium
 
     try:
@@ -127,7 +127,7 @@ def pdf_text(data: bytes, step: _Steps) -> Extracted:
 # ---- zipped formats: EPUB, DOCX
 
 
-def _zipped(data: bytes, suffix: str, step: _Steps) -> Extracted:
+def _zipped(data: bytes, suffix: str, step: Steps) -> Extracted:
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
         names = set(archive.namelist())
@@ -150,7 +150,7 @@ _OPF = "{http://www.idpf.org/2007/opf}"
 _CONTAINER = "{urn:oasis:names:tc:opendocument:xmlns:container}"
 
 
-def epub_text(archive: zipfile.ZipFile, names: set[str], step: _Steps) -> Extracted:
+def epub_text(archive: zipfile.ZipFile, names: set[str], step: Steps) -> Extracted:
     """The spine's chapters in reading order, each as Markdown after a `[chapter N]` line."""
     if "META-INF/encryption.xml" in names:
         raise Unreadable("is a DRM-protected EPUB (its chapters are encrypted)")

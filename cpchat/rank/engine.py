@@ -77,7 +77,7 @@ def load_model(name: str):
         head_dim=first.key_dim,
         vocab_size=_vocab_size(model, config),
         bytes_per_element=first.dtype_bytes,
-        max_context=min(usable, exact_tokens) if usable and exact_tokens else usable or exact_tokens or 0,
+        max_context=min(filter(None, (usable, exact_tokens)), default=0),  # 0: the config does not say
         layers=layers,
         exact_tokens=exact_tokens,
     )
@@ -183,9 +183,11 @@ class Engine:
         self.total_tokens = 0  # tokens the whole ring holds
         self.last_timings: list[StepTiming] = []
         self.last_algorithm = ""
+        self.prefill_cost = PrefillCost(0, 0, 0)  # of the loaded model, measured once when it loads
 
     def load(self, path: str) -> ModelInfo:
         self.model, self.info = load_model(path)
+        self.prefill_cost = measure_prefill(self.model, self.info)
         self.kv = KVShard(self.info.num_layers)
         self.total_tokens = 0
         return self.info

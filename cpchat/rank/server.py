@@ -21,7 +21,7 @@ import psutil
 from cpchat.core.estimate import PrefillCost
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
-from cpchat.rank.engine import BadRequest, Engine, UnsupportedModel, measure_prefill
+from cpchat.rank.engine import BadRequest, Engine, UnsupportedModel
 from cpchat.rank.ring import Aborted, Mailbox, Ring, RingBroken, RingLink
 from cpchat.rank.wire import CHUNK_BYTES, DTYPES, MAX_BLOCK_BYTES, BlockKey, FrameError, parse_frame
 
@@ -215,8 +215,7 @@ class RankState:
 
     def calibrate(self, probe_bytes: int = PROBE_BYTES, rounds: int = 3) -> tuple[float, float, PrefillCost]:
         """Matrix-product speed, the ring's bandwidth, and the loaded model's prefill cost."""
-        model = self.engine.model
-        cost = measure_prefill(model, self.engine.info) if model is not None else PrefillCost(0, 0, 0)
+        cost = self.engine.prefill_cost
         n = 512
         a = mx.random.normal((n, n))
         mx.eval(a @ a)
