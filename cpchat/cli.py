@@ -9,7 +9,7 @@ import stat
 import sys
 from pathlib import Path
 
-from cpchat import __version__
+from cpchat import __version__, blas
 
 EXIT_OK, EXIT_USAGE, EXIT_BACKEND = 0, 2, 3
 
@@ -56,6 +56,8 @@ def rank_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", metavar="FILE", help="CA to verify the next rank's certificate")
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     p.add_argument("--cpu", type=int, help="pin this rank to one CPU core")
+    p.add_argument("--blas", choices=blas.CHOICES, default="auto",
+                   help="the BLAS for CPU products (Linux): auto takes the fastest installed (default)")
     return p
 
 
@@ -94,11 +96,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def use_blas(choice: str, argv: list[str]) -> None:
+    """Re-execute this rank with the chosen BLAS preloaded, unless it already is (see cpchat/blas.py)."""
+    env = blas.preload_environment(choice)
+    if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "cpchat", "rank", *argv], env)
+
+
 def run_rank(argv: list[str]) -> int:
     from cpchat.rank.server import serve
 
     args = rank_parser().parse_args(argv)
     try:
+        use_blas(args.blas, argv)
         token = read_token(args.token_file) if args.token_file else None
         if not is_loopback(args.host) and token is None:
             raise UsageError(f"binding {args.host} needs --token-file: ranks off loopback must authenticate")
@@ -115,7 +126,7 @@ def run_rank(argv: list[str]) -> int:
             tls_ca=read_bytes(args.tls_ca, "CA certificate"),
             parent_pid=args.parent_pid,
         )
-    except UsageError as e:
+    except (UsageError, blas.BlasUnavailable) as e:
         print(f"cpchat rank: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (OSError, RuntimeError) as e:

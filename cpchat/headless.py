@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -99,7 +100,10 @@ def run_headless(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(front_end_copy(model_path, whole_model=not (args.attach or args.hostfile)))
         cluster = connect_cluster(args, settings.ranks)
         cluster.load(model_path)
-        out.event(Ready(settings.model or "demo", [RankAddress(r.rank, r.address) for r in cluster.ranks]))
+        out.event(Ready(settings.model or "demo",
+                        [RankAddress(r.rank, r.address, r.blas_label) for r in cluster.ranks]))
+        if warning := cluster.slow_blas_warning():
+            print(f"cpchat: {warning}", file=sys.stderr, flush=True)
         sampling = SamplingOptions(settings.max_tokens, settings.temp, settings.top_p, settings.seed)
         session = Session(cluster, tokenizer, raw=args.raw, algorithm=settings.algorithm, sampling=sampling)
         for text, docs in read_turns(args):
@@ -121,6 +125,9 @@ def run_headless(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         out.error("interrupted")
         return 130
+    except BrokenPipeError:  # whoever read our stdout has gone (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     finally:
         if cluster is not None:
             cluster.close()

@@ -47,13 +47,16 @@ def start_ranks(
     hosts: list[str] | None = None,
     port: int = 0,
     prefix: list[list[str]] | None = None,
+    args: list[list[str]] | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[RankProc]:
     """Start n `cpchat rank` processes at once and wait for each one's "listening" line.
-    `prefix[i]` runs rank i under a wrapper (e.g. `ip netns exec NS`)."""
+    `prefix[i]` runs rank i under a wrapper (e.g. `ip netns exec NS`); `args[i]` are more flags."""
     started = []
-    env = rank_environment()
+    env = rank_environment() if env is None else env
     for i in range(n):
         cmd = CPCHAT + ["rank", "--host", hosts[i] if hosts else "127.0.0.1", "--port", str(port)]
+        cmd += args[i] if args else []
         if token_file:
             cmd += ["--token-file", str(token_file)]
         for flag, key in (("--tls-cert", "cert"), ("--tls-key", "key"), ("--tls-ca", "ca")):

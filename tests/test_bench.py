@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+from cpchat.client.launcher import rank_environment
+
 
 def test_bench_writes_results(tmp_path, model_dir):
     out = tmp_path / "bench"
@@ -46,4 +48,9 @@ def test_bench_writes_results(tmp_path, model_dir):
     for t in data["transport"]:
         assert t["grpc_ring_gb_s"] > 0 and t["grpc_bytes_only_gb_s"] > 0 and t["tcp_socket_gb_s"] > 0
     table = (out / "results.md").read_text()
-    assert "| cpchat N=2 | openblas | 128 |" in table or "| cpchat N=2 | reference | 128 |" in table
+    # every row names the BLAS its processes really used, as a separate process detects it
+    detect = "from cpchat.blas import in_use; print(in_use().label)"
+    used = subprocess.run([sys.executable, "-c", detect], env=rank_environment(), capture_output=True,
+                          text=True, timeout=120).stdout.strip()
+    assert used and {row["blas"] for row in data["rows"]} == {used}
+    assert f"| cpchat N=2 | {used} | 128 |" in table

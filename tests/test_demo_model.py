@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -12,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from cpchat.client.events import Token
+from cpchat.client.launcher import rank_environment
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.demo.data import NOT_FOUND, POSITIONS, make_example, render_user_turn, write_sample_document
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "assets" / "demo-model"
 SAMPLE_DOC = ROOT / "assets" / "sample-doc.txt"
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 SAMPLE_QA = [
     ("What is the access code for the Orion vault?", "The access code for the Orion vault is 4812-KX."),
     ("What is the director for the Lyra observatory?",
@@ -70,12 +69,9 @@ def test_sample_document_is_reproducible(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def sample_answers() -> list[str]:
-    """Greedy mlx-lm answers about the sample document, from a child process with OpenBLAS where
-    installed (the wheel's reference BLAS makes the prefill ~30x slower)."""
-    env = dict(os.environ)
-    if OPENBLAS.exists():
-        env["LD_PRELOAD"] = " ".join(filter(None, [str(OPENBLAS), env.get("LD_PRELOAD")]))
-        env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    """Greedy mlx-lm answers about the sample document, from a child process with the ranks' fast
+    BLAS where installed (the wheel's reference BLAS makes the prefill ~30x slower)."""
+    env = rank_environment()
     cmd = [sys.executable, "-m", "cpchat.demo.evaluate", "--model", str(MODEL), "--ask-doc", str(SAMPLE_DOC)]
     for question, _ in SAMPLE_QA:
         cmd += ["--question", question]

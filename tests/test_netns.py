@@ -151,7 +151,8 @@ def test_ranks_on_separate_hosts_match_mlx_lm(hosts, remote_ranks, model_dir):
     attach = [r.address for r in ranks]
     assert attach == [f"{a}:{PORT}" for a in hosts.addresses]
     evs = run_ok(attach, token, path, "--max-tokens", "12")
-    assert evs[0]["ranks"] == [{"rank": i, "address": a} for i, a in enumerate(attach)]
+    assert [(r["rank"], r["address"]) for r in evs[0]["ranks"]] == list(enumerate(attach))
+    assert all(r["blas"] for r in evs[0]["ranks"])  # each host's rank says what it multiplies with
     assert [e["id"] for e in evs if e["event"] == "token"] == expected_tokens(path, 12)
     print(f"\nunshaped bridge: {timings(evs)}")
     # Each rank holds a direct connection to its next neighbour, namespace to namespace.

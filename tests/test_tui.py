@@ -17,6 +17,7 @@ from textual.pilot import Pilot
 from textual.widgets import Label, Markdown
 
 from cpchat.cli import main
+from cpchat.client.cluster import Cluster
 from cpchat.client.settings import Settings
 from cpchat.smallmodels import write_model
 from cpchat.tui.app import CpchatApp
@@ -120,6 +121,8 @@ async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
         )
         assert all(r.stats.kv_bytes > 0 for r in rows)
         assert {r.stats.address for r in rows} == {h.address for h in app.cluster.ranks}
+        assert [r.stats.blas for r in rows] == [h.blas_label for h in app.cluster.ranks]
+        assert rows[0].stats.blas and f"BLAS: {rows[0].stats.blas}" in str(rows[0].render())
         assert app.query_one(BigText).text in ("pass_kv", "pass_q")
         assert app.session.last_choice.algorithm == app.query_one(BigText).text
         from cpchat.tui.widgets import ThroughputPanel
@@ -134,6 +137,25 @@ async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
     app.store.flush()
     saved = TranscriptStore.load(app.store.path)
     assert [e.role for e in saved] == ["user", "assistant"] and saved[1].text == app.entries[-1].text
+
+
+async def test_ranks_on_the_reference_blas_are_flagged_with_the_fix(model, tmp_path):
+    cluster = Cluster.launch(1, blas_choice="reference")
+    try:
+        cluster.connect()
+        cluster.load(str(model))
+        app = CpchatApp(Settings(max_tokens=4, seed=1), cluster=cluster, model_path=str(model),
+                        transcripts=tmp_path / "transcripts")
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            warnings = lambda: [n for n in app._notifications if n.title == "Slow BLAS"]  # noqa: E731
+            await until(pilot, warnings, what="the warning")
+            assert warnings()[0].message.startswith("The ranks multiply with the reference BLAS")
+            assert "install a fast one and restart: " in warnings()[0].message
+            row = app.query_one(RankRow)
+            assert row.stats.slow_blas and "BLAS: reference (slow)" in str(row.render())
+    finally:
+        cluster.close()
 
 
 async def test_multiline_input_and_history(make_app):

@@ -24,6 +24,8 @@ def main() -> None:
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
+    from cpchat.blas import in_use
+
     model, tokenizer = mlx_lm.load(args.model)
     ids = prompt_ids(len(tokenizer.vocab), args.context)
     for _ in range(args.repeats):
@@ -41,6 +43,7 @@ def main() -> None:
                     "prefill_tokens_per_s": last.prompt_tps,
                     "decode_tokens_per_s": last.generation_tps,
                     "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                    "blas": in_use().label,
                 }
             ),
             flush=True,

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from cpchat import blas
 from cpchat.bench.baseline import prompt_ids
 from cpchat.bench.wirefloor import floor_rates
 from cpchat.client.cluster import Cluster, RankStats, _rank_stats
@@ -43,7 +44,7 @@ class Row:
     peak_bytes_per_rank: int = 0
     algorithm: str = ""
     hidden_share: float | None = None
-    blas: str = "openblas"
+    blas: str = ""  # the BLAS that was measured, as the processes report it
     estimate_s: float | None = None  # the prefill time cpchat predicted from the ranks' calibration
 
     def best(self, name: str) -> float:
@@ -70,7 +71,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--algorithm", default="pass_kv", choices=["auto", "pass_kv", "pass_q"])
     p.add_argument("--pin", action="store_true", help="pin rank i to core i (and mlx-lm to core 0)")
-    p.add_argument("--blas", default="openblas", choices=["openblas", "reference", "both"])
+    p.add_argument("--blas", default="auto",
+                   help="comma-separated BLAS runs, each of auto (the fastest installed; default), openblas, "
+                        "mkl, reference; both = auto,reference")
     p.add_argument(
         "--transport", default="1,4,16,64", help="block sizes in MiB for the ring benchmark ('' skips)"
     )
@@ -94,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.attention:
         return attention_only([int(n) for n in args.attention.split(",")])
+    try:
+        blas_modes = blas_choices(args.blas)
+    except blas.BlasUnavailable as e:
+        print(f"cpchat bench: {e}", file=sys.stderr)
+        return 2
     if args.quick:
         args.hidden, args.layers, args.contexts, args.ranks = 256, 4, "512,1024", "1,2"
         args.repeats, args.decode, args.transport = 1, 8, "1,16"
@@ -101,22 +109,35 @@ def main(argv: list[str] | None = None) -> int:
                         args.form))
     contexts = [int(c) for c in args.contexts.split(",") if c]
     ranks = [int(n) for n in args.ranks.split(",") if n]
-    blas_modes = ["openblas", "reference"] if args.blas == "both" else [args.blas]
     rows: list[Row] = []
     started = time.time()
-    for blas in blas_modes:
-        fast = blas == "openblas"
+    for blas_choice in blas_modes:
         if not args.no_baseline:
             for context in contexts:
-                rows.append(run_baseline(model, context, args, fast))
+                rows.append(run_baseline(model, context, args, blas_choice))
                 report_progress(rows[-1])
         for n in ranks:
-            rows.extend(run_cpchat(model, n, contexts, args, fast))
+            rows.extend(run_cpchat(model, n, contexts, args, blas_choice))
     transport = run_transport([int(s) * MB for s in args.transport.split(",") if s]) if args.transport else []
     out = Path(args.out)
     write_report(out, rows, transport, args, model, time.time() - started)
     print(f"wrote {out / 'results.md'}", file=sys.stderr)
     return 0
+
+
+def blas_choices(text: str) -> list[str]:
+    """The --blas runs to make; a library that cannot be loaded is an error, never a fallback."""
+    if text == "both":
+        if blas.choose("auto")[0] == "reference":
+            raise blas.BlasUnavailable(f"--blas both: no fast BLAS found to compare; install one with: "
+                                       f"{blas.install_hint()}")
+        return ["auto", "reference"]
+    choices = [c.strip() for c in text.split(",") if c.strip()]
+    for choice in choices:
+        if choice not in blas.CHOICES:
+            raise blas.BlasUnavailable(f"--blas {choice}: expected one of {', '.join(blas.CHOICES)}")
+        blas.choose(choice)
+    return choices
 
 
 def attention_only(lengths: list[int]) -> int:
@@ -206,7 +227,7 @@ def report_progress(row: Row) -> None:
     )
 
 
-def run_baseline(model: str, context: int, args, fast_blas: bool) -> Row:
+def run_baseline(model: str, context: int, args, blas_choice: str) -> Row:
     cmd = [
         sys.executable,
         "-m",
@@ -222,10 +243,11 @@ def run_baseline(model: str, context: int, args, fast_blas: bool) -> Row:
     ]
     if args.pin:
         cmd = ["taskset", "-c", "0"] + cmd
-    done = subprocess.run(cmd, capture_output=True, text=True, env=rank_environment(fast_blas), check=True)
-    row = Row("mlx-lm", 1, context, blas="openblas" if fast_blas else "reference")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=rank_environment(blas_choice), check=True)
+    row = Row("mlx-lm", 1, context)
     for line in done.stdout.splitlines():
         r = json.loads(line)
+        row.blas = r["blas"]
         row.ttft_ms.append(r["ttft_ms"])
         row.prefill_tokens_per_s.append(r["prefill_tokens_per_s"])
         row.decode_tokens_per_s.append(r["decode_tokens_per_s"])
@@ -233,17 +255,18 @@ def run_baseline(model: str, context: int, args, fast_blas: bool) -> Row:
     return row
 
 
-def run_cpchat(model: str, n: int, contexts: list[int], args, fast_blas: bool) -> list[Row]:
-    cluster = Cluster.launch(n, fast_blas=fast_blas, pin_cpus=args.pin)
+def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str) -> list[Row]:
+    cluster = Cluster.launch(n, blas_choice=blas_choice, pin_cpus=args.pin)
     rows = []
     try:
         cluster.connect()
         cluster.load(model)
         tokenizer = load_tokenizer(model)
         bandwidth = ring_bandwidth(cluster, 16 * MB) if n > 1 else 0.0
+        measured_blas = " / ".join(sorted({r.blas_label for r in cluster.ranks}))
         for context in contexts:
             ids = prompt_ids(cluster.model.vocab_size, context)
-            row = Row(f"cpchat N={n}", n, context, blas="openblas" if fast_blas else "reference",
+            row = Row(f"cpchat N={n}", n, context, blas=measured_blas,
                       estimate_s=cluster.prefill_cost.seconds(context, 0, n))
             for _ in range(args.repeats):
                 cluster.reset(0)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from cpchat.blas import BlasInfo
 from cpchat.client.events import RankStats, RingStep
 from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks
 from cpchat.core.estimate import PrefillCost
@@ -62,10 +63,15 @@ class RankHandle:
     control: pb_grpc.ControlStub
     local: LocalRank | None = None
     state: str = "starting"
+    blas: pb.Blas = field(default_factory=pb.Blas)  # from Health, at connect
 
     @property
     def label(self) -> str:
         return f"rank {self.rank} ({self.address})"
+
+    @property
+    def blas_label(self) -> str:
+        return BlasInfo(self.blas.name, self.blas.version, self.blas.library).label if self.blas.name else ""
 
 
 @dataclass
@@ -134,13 +140,15 @@ class Cluster:
         self._current_request = ""
         self._lock = threading.Lock()
         self.last_results: dict[int, RankResult] = {}
+        self._closed = threading.Event()
+        self._stats_threads: list[threading.Thread] = []
 
     # ---- life cycle
 
     @classmethod
-    def launch(cls, num_ranks: int, fast_blas: bool = True, pin_cpus: bool = False) -> Cluster:
+    def launch(cls, num_ranks: int, blas_choice: str = "auto", pin_cpus: bool = False) -> Cluster:
         try:
-            local = launch_local_ranks(num_ranks, fast_blas, pin_cpus)
+            local = launch_local_ranks(num_ranks, blas_choice, pin_cpus)
         except LaunchError as e:
             raise BackendError(str(e)) from None
         return cls([r.address for r in local], local=local)
@@ -189,12 +197,14 @@ class Cluster:
         def health(r: RankHandle) -> None:
             request = pb.HealthRequest()
             try:
-                r.control.Health(request, timeout=timeout, metadata=self.metadata, wait_for_ready=True)
+                reply = r.control.Health(request, timeout=timeout, metadata=self.metadata,
+                                         wait_for_ready=True)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise
                 # Waiting hides why the connection failed; one plain call reports it.
-                r.control.Health(request, timeout=2.0, metadata=self.metadata)
+                reply = r.control.Health(request, timeout=2.0, metadata=self.metadata)
+            r.blas = reply.blas
 
         self._each(health, connecting=True)
         self.ring_id = uuid.uuid4().hex
@@ -206,6 +216,18 @@ class Cluster:
             r.state = "idle"
 
         self._each(configure)
+
+    def slow_blas_warning(self) -> str | None:
+        """One line for ranks whose CPU products run on the reference BLAS, with the fix."""
+        slow = [r for r in self.ranks if r.blas.fix]
+        if not slow:
+            return None
+        if len(slow) == self.size and self.is_local:
+            who = "the ranks multiply"
+        else:
+            who = ", ".join(r.label for r in slow) + (" multiplies" if len(slow) == 1 else " multiply")
+        return (f"{who} with the reference BLAS of the mlx[cpu] wheel, 20-30x slower than "
+                f"OpenBLAS; install a fast one and restart: {slow[0].blas.fix}")
 
     def load(self, model: str, on_progress: Callable[[int, int], None] | None = None) -> ModelInfo:
         """Load the model on every rank (each from its own disk)."""
@@ -246,6 +268,7 @@ class Cluster:
 
     def close(self) -> None:
         """Shut local ranks down (and wait for them); leave attached ranks running."""
+        self._closed.set()
         for r in self.ranks:
             if r.local is not None:
                 with contextlib.suppress(grpc.RpcError):
@@ -254,6 +277,8 @@ class Cluster:
             if r.local is not None:
                 r.local.stop()
             r.channel.close()
+        for t in self._stats_threads:
+            t.join(timeout=2.0)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests
@@ -419,12 +444,15 @@ class Cluster:
         """Merge the ranks' stats streams into RankStats snapshots; ends when every stream does
         (on close(), or once `stop` is set: that cancels the streams of a cluster that stays open)."""
         out: queue.Queue = queue.Queue()
+        stop = stop or threading.Event()
+        calls: list[grpc.Future] = []
 
         def follow(r: RankHandle) -> None:
             try:
                 call = r.control.Stats(pb.StatsRequest(interval_s=interval_s), metadata=self.metadata)
-                if stop is not None:
-                    threading.Thread(target=lambda: (stop.wait(), call.cancel()), daemon=True).start()
+                calls.append(call)
+                if stop.is_set():
+                    call.cancel()
                 for s in call:
                     out.put(_rank_stats(r, s))
             except grpc.RpcError as e:
@@ -433,8 +461,18 @@ class Cluster:
                     out.put(RankStats(r.rank, r.address, "failed", error=self._describe(r, e)))
             out.put(None)
 
-        for r in self.ranks:
-            threading.Thread(target=follow, args=(r,), daemon=True).start()
+        def cancel_on_stop() -> None:
+            while not (stop.wait(0.2) or self._closed.is_set()):
+                pass
+            for call in list(calls):
+                call.cancel()
+
+        # close() joins these: no thread may still be inside gRPC when the interpreter exits.
+        threads = [threading.Thread(target=follow, args=(r,), daemon=True) for r in self.ranks]
+        threads.append(threading.Thread(target=cancel_on_stop, daemon=True))
+        self._stats_threads += threads
+        for t in threads:
+            t.start()
         open_streams = len(self.ranks)
         while open_streams:
             item = out.get()
@@ -448,6 +486,7 @@ def _rank_stats(r: RankHandle, s: pb.RankStats) -> RankStats:
     return RankStats(
         rank=r.rank, address=r.address, state=s.state, kv_tokens=s.kv_tokens, kv_bytes=s.kv_bytes,
         rss_bytes=s.rss_bytes, mlx_active_bytes=s.mlx_active_bytes, mlx_peak_bytes=s.mlx_peak_bytes,
-        peak_rss_bytes=s.peak_rss_bytes, algorithm=s.algorithm,
+        peak_rss_bytes=s.peak_rss_bytes, algorithm=s.algorithm, blas=r.blas_label,
+        slow_blas=bool(r.blas.fix),
         ring_steps=[RingStep(t.layer, t.step, t.compute_ms, t.wait_ms, t.bytes_sent) for t in s.ring_steps],
     )

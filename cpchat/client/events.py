@@ -16,6 +16,7 @@ from cpchat import __version__
 class RankAddress:
     rank: int
     address: str
+    blas: str = ""  # the BLAS its CPU products run on, e.g. "OpenBLAS 0.3.21 Haswell"
 
 
 @dataclass
@@ -102,6 +103,8 @@ class RankStats:
     algorithm: str = ""
     ring_steps: list[RingStep] = field(default_factory=list)
     error: str = ""
+    blas: str = ""
+    slow_blas: bool = False  # a CPU rank on the reference BLAS
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Start local `cpchat rank` processes on free loopback ports.
 
 Ranks watch our pid and exit when we die (also on SIGKILL), so they never
-outlive the front end. Where Debian's OpenBLAS is installed, ranks get it
-through LD_PRELOAD: the mlx[cpu] wheel's reference BLAS is ~30x slower.
+outlive the front end. Ranks get the fastest BLAS installed, preloaded
+(cpchat/blas.py): the mlx[cpu] wheel's reference BLAS is 20-30x slower.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
+from cpchat import blas
+
 START_TIMEOUT_S = 60.0
 
 
@@ -47,21 +48,22 @@ class LocalRank:
             self.log_path.parent.rmdir()  # the last rank of the launch removes the folder
 
 
-def rank_environment(fast_blas: bool = True) -> dict[str, str]:
-    env = dict(os.environ)
-    if fast_blas and OPENBLAS.exists() and str(OPENBLAS) not in env.get("LD_PRELOAD", ""):
-        env["LD_PRELOAD"] = " ".join(filter(None, [str(OPENBLAS), env.get("LD_PRELOAD")]))
+def rank_environment(blas_choice: str = "auto") -> dict[str, str]:
+    """The environment of a local rank (and of benchmark children): the BLAS preloaded, one
+    BLAS thread each, since local ranks share the cores."""
+    env = blas.preload_environment(blas_choice)
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env.setdefault("MKL_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
-def launch_local_ranks(n: int, fast_blas: bool = True, pin_cpus: bool = False) -> list[LocalRank]:
+def launch_local_ranks(n: int, blas_choice: str = "auto", pin_cpus: bool = False) -> list[LocalRank]:
     """Start n ranks at once and wait until each reports its address.
     With pin_cpus, rank i runs on core i (modulo the cores there are)."""
     if n < 1:
         raise LaunchError(f"--ranks must be at least 1, got {n}")
-    env = rank_environment(fast_blas)
+    env = rank_environment(blas_choice)
     log_dir = Path(tempfile.mkdtemp(prefix="cpchat-ranks-"))
     started: list[tuple[int, subprocess.Popen, Path]] = []
     for i in range(n):
@@ -77,6 +79,8 @@ def launch_local_ranks(n: int, fast_blas: bool = True, pin_cpus: bool = False) -
             "0",
             "--parent-pid",
             str(os.getpid()),
+            "--blas",
+            blas_choice,
         ]
         if pin_cpus:
             cmd += ["--cpu", str(i % os.cpu_count())]

@@ -248,14 +248,28 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "rank", "pid")
+    __slots__ = ("state", "rank", "pid", "blas")
     STATE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    BLAS_FIELD_NUMBER: _ClassVar[int]
     state: str
     rank: int
     pid: int
-    def __init__(self, state: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    blas: Blas
+    def __init__(self, state: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., blas: _Optional[_Union[Blas, _Mapping]] = ...) -> None: ...
+
+class Blas(_message.Message):
+    __slots__ = ("name", "version", "library", "fix")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LIBRARY_FIELD_NUMBER: _ClassVar[int]
+    FIX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    library: str
+    fix: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., library: _Optional[str] = ..., fix: _Optional[str] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()

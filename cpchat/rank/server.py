@@ -18,6 +18,7 @@ import grpc
 import mlx.core as mx
 import psutil
 
+from cpchat import blas
 from cpchat.core.estimate import PrefillCost
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
@@ -94,6 +95,7 @@ class RankState:
         self.request_id = ""
         self.activity = ""  # what holds `busy`, for refusals
         self.calibrations = 0
+        self.blas = blas_report()
         # Every MLX operation of the rank runs on this one thread: an array made lazily on one
         # thread cannot be evaluated on another (mlx-lm's RoPE tables, bfloat16 views, KV buffers).
         self.mlx = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
@@ -380,11 +382,19 @@ class ControlServicer(pb_grpc.ControlServicer):
         return pb.ResetReply(kv_tokens=len(self.s.engine.kv) if self.s.engine.kv else 0)
 
     def Health(self, request, context):
-        return pb.HealthReply(state=self.s.state, rank=self.s.rank, pid=os.getpid())
+        return pb.HealthReply(state=self.s.state, rank=self.s.rank, pid=os.getpid(), blas=self.s.blas)
 
     def Shutdown(self, request, context):
         self.stop.set()
         return pb.ShutdownReply()
+
+
+def blas_report() -> pb.Blas:
+    """The BLAS in use, and the fix when a Linux CPU rank multiplies with the reference one."""
+    info = blas.in_use()
+    slow = info.reference and sys.platform == "linux" and mx.default_device() == mx.cpu
+    return pb.Blas(name=info.name, version=info.version, library=info.library,
+                   fix=blas.install_hint() if slow else "")
 
 
 def peak_rss_bytes() -> int:

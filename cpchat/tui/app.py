@@ -189,8 +189,8 @@ class CpchatApp(App[int]):
 
     def _ready_message(self, description: str = "") -> BackendReady:
         assert self.cluster is not None and self.cluster.model is not None
-        ranks = [RankInfo(r.rank, r.address) for r in self.cluster.ranks]
-        return BackendReady(self.cluster.model, ranks, description)
+        ranks = [RankInfo(r.rank, r.address, r.blas_label, bool(r.blas.fix)) for r in self.cluster.ranks]
+        return BackendReady(self.cluster.model, ranks, description, self.cluster.slow_blas_warning())
 
     def _post_rank_states(self, cluster: Cluster, state: str) -> None:
         for r in cluster.ranks:
@@ -202,12 +202,16 @@ class CpchatApp(App[int]):
         self._failed_ranks.clear()
         self.query_one(WorkBar).hide()
         panel = self.query_one(RanksPanel)
-        await panel.set_ranks([RankStats(r.rank, r.address, "ready") for r in message.ranks])
+        await panel.set_ranks([RankStats(r.rank, r.address, "ready", blas=r.blas, slow_blas=r.slow_blas)
+                               for r in message.ranks])
         self.query_one(ThroughputPanel).context_max = message.model.max_context
         name = Path(message.model.name).name or message.model.name
         self.sub_title = f"{name} · {len(message.ranks)} ranks"
         if message.description and not self.settings.model:
             self.notify(f"Using {message.description}.", timeout=5)
+        if message.blas_warning:
+            self.notify(message.blas_warning[0].upper() + message.blas_warning[1:], title="Slow BLAS",
+                        severity="warning", timeout=30)
         if self.cluster is not None and self.tokenizer is not None:
             if self.session is None:
                 s = self.settings

@@ -20,14 +20,18 @@ from cpchat.client.session import Turn
 class RankInfo:
     rank: int
     address: str
+    blas: str = ""
+    slow_blas: bool = False
 
 
 class BackendReady(Message):
     """The ring is formed and the model loaded on every rank."""
 
-    def __init__(self, model: ModelInfo, ranks: list[RankInfo], description: str = "") -> None:
+    def __init__(self, model: ModelInfo, ranks: list[RankInfo], description: str = "",
+                 blas_warning: str | None = None) -> None:
         super().__init__()
         self.model, self.ranks, self.description = model, ranks, description
+        self.blas_warning = blas_warning  # the ranks multiply with the slow reference BLAS
 
 
 class BackendFailed(Message):

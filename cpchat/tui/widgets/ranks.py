@@ -48,6 +48,9 @@ class RankRow(Widget):
         else:
             text.append(f"RSS {human_bytes(s.rss_bytes)}  MLX {human_bytes(s.mlx_active_bytes)}"
                         f" (peak {human_bytes(s.mlx_peak_bytes)})", "dim")
+        if s.blas:
+            slow = " (slow)" if s.slow_blas else ""
+            text.append(f"\nBLAS: {s.blas}{slow}", "yellow" if s.slow_blas else "dim")
         return text
 
 
