@@ -1,3 +1,6 @@
 """cpchat: chat over very long contexts with context-parallel attention."""
 
 __version__ = "0.1.0"
+
+# Exit status of every front end (design §1): done, usage / bad input, backend failure.
+EXIT_OK, EXIT_USAGE, EXIT_BACKEND = 0, 2, 3

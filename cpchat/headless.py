@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-from cpchat.cli import EXIT_BACKEND, EXIT_OK, EXIT_USAGE
-from cpchat.client.cluster import BackendError, BadInput, Cluster, parse_addresses, read_hostfile
-from cpchat.client.events import EVENT_NAMES, Error, RankAddress, Ready, Token
+from cpchat import EXIT_BACKEND, EXIT_OK, EXIT_USAGE
+from cpchat.client.cluster import BackendError, BadInput
+from cpchat.client.connect import ClusterOptions, connect_cluster
+from cpchat.client.events import EVENT_NAMES, Error, Progress, RankAddress, Ready, Token
 from cpchat.client.hub import front_end_copy
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.client.settings import resolve_model, resolve_settings
@@ -23,8 +24,9 @@ LONG_PREFILL_S = 30  # a prefill longer than this is announced on stderr, with i
 
 
 class Output:
-    def __init__(self, as_json: bool) -> None:
+    def __init__(self, as_json: bool, progress: bool = False) -> None:
         self.as_json = as_json
+        self.progress = progress  # plain mode: prefill progress on stderr
 
     def event(self, ev: object) -> None:
         name = EVENT_NAMES.get(type(ev))
@@ -34,6 +36,11 @@ class Output:
         elif isinstance(ev, Token):
             sys.stdout.write(ev.text)
             sys.stdout.flush()
+        elif isinstance(ev, Progress) and self.progress:
+            new = ev.total - ev.cached
+            share = 100 * ev.processed // max(new, 1)
+            print(f"cpchat: prefill {ev.processed:,}/{new:,} new tokens ({share} %), {ev.ms / 1000:.1f} s",
+                  file=sys.stderr, flush=True)
 
     def end_turn(self) -> None:
         if not self.as_json:
@@ -83,8 +90,8 @@ def _terminate(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def run_headless(args: argparse.Namespace) -> int:
-    out = Output(args.json)
+def run_headless(args: argparse.Namespace, options: ClusterOptions) -> int:
+    out = Output(args.json, args.progress)
     signal.signal(signal.SIGTERM, _terminate)
     cluster = None
     try:
@@ -97,8 +104,8 @@ def run_headless(args: argparse.Namespace) -> int:
         model_path, description = resolve_model(settings.model)
         if not settings.model:
             print(f"cpchat: using {description}", file=sys.stderr)
-        tokenizer = load_tokenizer(front_end_copy(model_path, whole_model=not (args.attach or args.hostfile)))
-        cluster = connect_cluster(args, settings.ranks)
+        tokenizer = load_tokenizer(front_end_copy(model_path, whole_model=not options.attached))
+        cluster = connect_cluster(options, settings.ranks)
         cluster.load(model_path)
         out.event(Ready(settings.model or "demo",
                         [RankAddress(r.rank, r.address, r.blas_label) for r in cluster.ranks]))
@@ -131,25 +138,3 @@ def run_headless(args: argparse.Namespace) -> int:
     finally:
         if cluster is not None:
             cluster.close()
-
-
-def connect_cluster(args: argparse.Namespace, ranks: int) -> Cluster:
-    """Launch local ranks, or attach to running ones, and form the ring."""
-    from cpchat.cli import UsageError, read_bytes, read_token
-
-    try:
-        token = read_token(args.token_file) if args.token_file else None
-        tls_ca = read_bytes(args.tls_ca, "CA certificate")
-    except UsageError as e:
-        raise BadInput(str(e)) from None
-    if args.attach or args.hostfile:
-        addresses = parse_addresses(args.attach) if args.attach else read_hostfile(args.hostfile)
-        cluster = Cluster(addresses, token=token, tls_ca=tls_ca)
-    else:
-        cluster = Cluster.launch(ranks)
-    try:
-        cluster.connect()
-    except BaseException:
-        cluster.close()
-        raise
-    return cluster

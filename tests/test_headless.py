@@ -158,6 +158,35 @@ def test_demo_model_answers_from_a_pdf_page_and_a_folder_file(tmp_path):
         assert value in result.stdout and "99999" not in result.stdout, (doc.name, result.stdout)
 
 
+def test_prefill_progress_events_and_plain_progress_on_stderr(tmp_path):
+    """A long prompt through 2 ranks reports its prefill: JSON `progress` events at most 4 a second,
+    ending with every new token processed; plain mode says it on stderr only with --progress."""
+    doc = tmp_path / "long.txt"
+    doc.write_text("\n\n".join(filler(40) * 6))
+    base = ["--headless", "--ranks", "2", "--max-tokens", "2", "--doc", str(doc)]
+    result = run(base + ["--json", "--prompt", "What is the access code for the Orion vault?"])
+    assert result.returncode == 0, result.stderr
+    evs = events(result.stdout)
+    progress = [e for e in evs if e["event"] == "progress"]
+    prefill = next(e for e in evs if e["event"] == "prefill")
+    done = next(e for e in evs if e["event"] == "done")
+    assert progress and evs.index(progress[-1]) < evs.index(prefill)
+    assert {e["total"] for e in progress} == {done["prompt_tokens"]}
+    assert {e["cached"] for e in progress} == {prefill["cached_tokens"]}
+    assert progress[-1]["processed"] == prefill["new_tokens"] > 10_000
+    steps = [e["processed"] for e in progress]
+    assert steps == sorted(steps) and all(s > 0 for s in steps)
+    gaps = [b["ms"] - a["ms"] for a, b in zip(progress[:-2], progress[1:-1], strict=True)]
+    assert all(gap >= 250 for gap in gaps), gaps  # a few a second; only the last comes sooner
+    for flags, shown in ((["--progress"], True), ([], False)):
+        result = run(base + flags + ["--prompt", "What is the access code for the Orion vault?"])
+        assert result.returncode == 0, result.stderr
+        lines = [ln for ln in result.stderr.splitlines() if ln.startswith("cpchat: prefill ")]
+        assert bool(lines) == shown and "prefill" not in result.stdout
+        if shown:
+            assert re.fullmatch(r"cpchat: prefill ([\d,]+)/\1 new tokens \(100 %\), [\d.]+ s", lines[-1])
+
+
 def test_a_prompt_past_the_context_exits_2_with_both_numbers(tmp_path):
     from cpchat.smallmodels import write_model
 

@@ -21,6 +21,7 @@ from cpchat.client.cluster import Cluster
 from cpchat.client.settings import Settings
 from cpchat.smallmodels import write_model
 from cpchat.tui.app import CpchatApp
+from cpchat.tui.chat import ChatScreen
 from cpchat.tui.screens import AttachmentsScreen, ContextBudget, HelpScreen
 from cpchat.tui.store import TranscriptStore
 from cpchat.tui.widgets import AttachmentChip, BigText, ChatInput, ChatMessage, RankRow, Transcript, WorkBar
@@ -61,18 +62,18 @@ def make_app(clusters, model, tmp_path) -> Callable[..., CpchatApp]:
 
 async def ready(pilot: Pilot) -> CpchatApp:
     app = pilot.app
-    await until(pilot, lambda: app.session is not None, what="the session")
+    await until(pilot, lambda: app.chat.session is not None, what="the session")
     return app
 
 
 async def send(pilot: Pilot, text: str) -> None:
     app = pilot.app
-    before = app.turns_done
+    before = app.chat.turns_done
     prompt = app.query_one(ChatInput)
     prompt.load_text(text)
     prompt.focus()
     await pilot.press("enter")
-    await until(pilot, lambda: app.turns_done > before and not app.busy, what="the answer")
+    await until(pilot, lambda: app.chat.turns_done > before and not app.chat.busy, what="the answer")
 
 
 def assistant_messages(app: CpchatApp) -> list[ChatMessage]:
@@ -92,9 +93,9 @@ async def paste(pilot: Pilot, text: str) -> None:
     await pilot.pause()
 
 
-class WatchedApp(CpchatApp):
+class WatchedChat(ChatScreen):
     """Records how much answer text was shown before each token message (streaming, not one block).
-    Textual runs CpchatApp.on_tokens_arrived after this one (handlers are dispatched along the MRO)."""
+    Textual runs ChatScreen.on_tokens_arrived after this one (handlers are dispatched along the MRO)."""
 
     seen: list[int]
 
@@ -103,15 +104,19 @@ class WatchedApp(CpchatApp):
         self.seen.append(len(self._answer_text))
 
 
+class WatchedApp(CpchatApp):
+    CHAT_SCREEN = WatchedChat
+
+
 async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
     app = make_app(cls=WatchedApp)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "What does the document say?")
-        assert len(app.seen) > 1 and app.seen == sorted(app.seen), "tokens arrive one by one"
+        assert len(app.chat.seen) > 1 and app.chat.seen == sorted(app.chat.seen), "tokens arrive one by one"
         answer = assistant_messages(app)[-1]
-        assert app.entries[-1].role == "assistant" and app.entries[-1].text
-        assert answer.source == app.entries[-1].text
+        assert app.chat.entries[-1].role == "assistant" and app.chat.entries[-1].text
+        assert answer.source == app.chat.entries[-1].text
         rows = list(app.query(RankRow))
         assert len(rows) == RANKS
         await until(
@@ -120,11 +125,11 @@ async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
             what="every rank idle again with KV",
         )
         assert all(r.stats.kv_bytes > 0 for r in rows)
-        assert {r.stats.address for r in rows} == {h.address for h in app.cluster.ranks}
-        assert [r.stats.blas for r in rows] == [h.blas_label for h in app.cluster.ranks]
+        assert {r.stats.address for r in rows} == {h.address for h in app.chat.cluster.ranks}
+        assert [r.stats.blas for r in rows] == [h.blas_label for h in app.chat.cluster.ranks]
         assert rows[0].stats.blas and f"BLAS: {rows[0].stats.blas}" in str(rows[0].render())
         assert app.query_one(BigText).text in ("pass_kv", "pass_q")
-        assert app.session.last_choice.algorithm == app.query_one(BigText).text
+        assert app.chat.session.last_choice.algorithm == app.query_one(BigText).text
         from cpchat.tui.widgets import ThroughputPanel
 
         panel = app.query_one(ThroughputPanel)
@@ -134,9 +139,9 @@ async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
         assert app.query_one(ChatInput).text == "What does the document say?"
         await pilot.press("down")
         assert app.query_one(ChatInput).text == ""
-    app.store.flush()
-    saved = TranscriptStore.load(app.store.path)
-    assert [e.role for e in saved] == ["user", "assistant"] and saved[1].text == app.entries[-1].text
+    app.chat.store.flush()
+    saved = TranscriptStore.load(app.chat.store.path)
+    assert [e.role for e in saved] == ["user", "assistant"] and saved[1].text == app.chat.entries[-1].text
 
 
 async def test_ranks_on_the_reference_blas_are_flagged_with_the_fix(model, tmp_path):
@@ -165,7 +170,7 @@ async def test_multiline_input_and_history(make_app):
         prompt.focus()
         await pilot.press("a", "ctrl+j", "b")
         assert prompt.text == "a\nb"
-        assert app.turns_done == 0
+        assert app.chat.turns_done == 0
 
 
 def drop_forms(a: Path, b: Path) -> dict[str, tuple[str, list[Path]]]:
@@ -205,7 +210,7 @@ async def test_paste_of_paths_attaches_in_every_form(make_app, tmp_path):
         await paste(pilot, f"'{a}' '{b}'")
         await until(pilot, lambda: len(chips(app)) == 2)
         await send(pilot, "What is the code?")
-        user = app.session.messages[0]
+        user = app.chat.session.messages[0]
         assert user.docs == [a.name, b.name]
         assert f'<document name="{a.name}">' in user.content and "4812-KX" in user.content
         assert not chips(app)
@@ -238,7 +243,7 @@ async def test_attach_command_and_bad_files(make_app, tmp_path):
         assert [c.path for c in chips(app)] == [good.resolve()]
         notes = [n.message for n in app._notifications]
         assert any("looks binary" in n for n in notes) and any("no such file" in n for n in notes)
-        assert app.turns_done == 0 and app.query_one(ChatInput).text == ""
+        assert app.chat.turns_done == 0 and app.query_one(ChatInput).text == ""
 
 
 async def test_dropped_pdf_and_folder_attach_with_format_pages_and_files(make_app, tmp_path):
@@ -264,15 +269,17 @@ async def test_dropped_pdf_and_folder_attach_with_format_pages_and_files(make_ap
         assert "1 file ignored by .gitignore" in listing
         await pilot.press("escape")
         await send(pilot, "What is the vault code?")
-        user = app.session.messages[0]
+        user = app.chat.session.messages[0]
         assert user.docs == ["site report.pdf", "notes"]
         assert "[page 2]\nThe vault code is 4812-KX." in user.content
         assert '<document name="notes/sub/b.txt">\nOrion.\n</document>' in user.content
 
 
-class SlowReadApp(CpchatApp):
+class SlowReadChat(ChatScreen):
     """Holds the reading of a document after its first page until the reading is cancelled, so the
     test presses Esc while a read is certainly under way."""
+
+    reading_paused = False
 
     def _read_progress(self, name: str):
         report = super()._read_progress(name)
@@ -280,27 +287,30 @@ class SlowReadApp(CpchatApp):
         def hold(done: int, total: int) -> None:
             report(done, total)
             if done == 1:
-                self.call_from_thread(setattr, self, "reading_paused", True)
+                self.app.call_from_thread(setattr, self, "reading_paused", True)
                 self._reading.wait(30)
 
         return hold
 
 
+class SlowReadApp(CpchatApp):
+    CHAT_SCREEN = SlowReadChat
+
+
 async def test_escape_stops_the_reading_of_a_large_document(make_app, tmp_path):
     pdf = write_pdf(tmp_path / "big.pdf", [f"Page {i}." for i in range(20)])
     app = make_app(cls=SlowReadApp)
-    app.reading_paused = False
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await paste(pilot, str(pdf))
-        await until(pilot, lambda: app.reading_paused, what="the reading to start")
+        await until(pilot, lambda: app.chat.reading_paused, what="the reading to start")
         assert app.query_one(WorkBar).display
         await pilot.press("escape")
-        await until(pilot, lambda: app._reading is None, what="the reading to stop")
+        await until(pilot, lambda: app.chat._reading is None, what="the reading to stop")
         await pilot.pause()
         assert not chips(app) and not app.query_one(WorkBar).display
         assert any("Stopped reading big.pdf" in n.message for n in app._notifications)
-        assert app.turns_done == 0
+        assert app.chat.turns_done == 0
 
 
 async def test_a_prompt_past_the_context_asks_first(clusters, tmp_path_factory, tmp_path):
@@ -327,16 +337,17 @@ async def test_a_prompt_past_the_context_asks_first(clusters, tmp_path_factory, 
         assert "the model's context is 160" in str(dialog.query_one("#budget-numbers", Label).render())
         await pilot.click("#back")
         await pilot.pause()
-        assert app.turns_done == 0 and len(chips(app)) == 1
+        assert app.chat.turns_done == 0 and len(chips(app)) == 1
         assert app.query_one(ChatInput).text == "What is it about?"
         await ask(attach=False)
         await pilot.click("#remove-0")
-        await until(pilot, lambda: app.turns_done == 1 and not app.busy, what="the turn without the document")
-        assert app.session.messages[0].docs == [] and not chips(app)
+        chat = app.chat
+        await until(pilot, lambda: chat.turns_done == 1 and not chat.busy, what="the turn without the document")
+        assert app.chat.session.messages[0].docs == [] and not chips(app)
         await ask()
         await pilot.click("#send")
-        await until(pilot, lambda: app.turns_done == 2 and not app.busy, what="the turn sent anyway")
-        assert app.session.messages[2].docs == ["long.txt"]
+        await until(pilot, lambda: chat.turns_done == 2 and not chat.busy, what="the turn sent anyway")
+        assert app.chat.session.messages[2].docs == ["long.txt"]
         assert not any(n.severity == "error" for n in app._notifications)
     clusters.drop(RANKS)  # the next test wants its own model on a fresh pool entry
 
@@ -367,14 +378,14 @@ async def test_escape_stops_the_answer_and_keeps_it(make_app):
         await ready(pilot)
         app.query_one(ChatInput).load_text("Tell me everything.")
         await pilot.press("enter")
-        await until(pilot, lambda: app._tokens >= 3, what="the first tokens")
+        await until(pilot, lambda: app.chat._tokens >= 3, what="the first tokens")
         await pilot.press("escape")
-        await until(pilot, lambda: not app.busy, timeout=20, what="the stop")
+        await until(pilot, lambda: not app.chat.busy, timeout=20, what="the stop")
         answer = assistant_messages(app)[-1]
         assert answer.border_subtitle == "stopped"
-        assert app.entries[-1].role == "assistant" and app.entries[-1].text
-        assert app.session.messages[-1].content == app.entries[-1].text
-        assert len(app.session.tokenizer.encode(app.entries[-1].text)) < 4000
+        assert app.chat.entries[-1].role == "assistant" and app.chat.entries[-1].text
+        assert app.chat.session.messages[-1].content == app.chat.entries[-1].text
+        assert len(app.chat.session.tokenizer.encode(app.chat.entries[-1].text)) < 4000
 
 
 async def run_palette(pilot: Pilot, query: str) -> None:
@@ -391,9 +402,9 @@ async def test_palette_actions(make_app):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await run_palette(pilot, "Algorithm: pass_q")
-        assert app.session.algorithm == "pass_q"
+        assert app.chat.session.algorithm == "pass_q"
         await send(pilot, "First question")
-        assert app.query_one(BigText).text == "pass_q" and app.session.last_choice.forced
+        assert app.query_one(BigText).text == "pass_q" and app.chat.session.last_choice.forced
         await run_palette(pilot, "Export transcript")
         from cpchat.client.settings import data_dir
 
@@ -404,7 +415,7 @@ async def test_palette_actions(make_app):
         await pilot.press("escape")
         await run_palette(pilot, "Clear conversation")
         await until(pilot, lambda: not app.query_one(Transcript).children, what="cleared transcript")
-        assert app.session.messages == [] and app.entries == []
+        assert app.chat.session.messages == [] and app.chat.entries == []
         rows = list(app.query(RankRow))
         await until(pilot, lambda: all(r.stats.kv_tokens == 0 for r in rows), what="KV reset on the ranks")
         await run_palette(pilot, "Attach file")
@@ -417,15 +428,15 @@ async def test_transcript_resumes(make_app):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "Remember Orion.")
-    app.store.flush()
+    app.chat.store.flush()
     again = make_app(resume=True)
     async with again.run_test(size=SIZE) as pilot:
         await ready(pilot)
         shown = [m.role for m in again.query(ChatMessage)]
         assert shown == ["user", "assistant"]
-        assert [m.content for m in again.session.messages] == [e.content for e in app.entries]
+        assert [m.content for m in again.chat.session.messages] == [e.content for e in app.chat.entries]
         await send(pilot, "And then?")  # re-prefills the resumed conversation
-        assert len(again.session.messages) == 4
+        assert len(again.chat.session.messages) == 4
 
 
 def test_print_config_and_startup_failure(capsys, monkeypatch):
@@ -445,30 +456,34 @@ async def test_dead_rank_turns_red_and_relaunch_continues(make_app, clusters):
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
             await send(pilot, "Before the failure.")
-            app.cluster.ranks[1].local.process.kill()
+            app.chat.cluster.ranks[1].local.process.kill()
             rows = list(app.query(RankRow))
             await until(pilot, lambda: rows[1].stats.state == "failed", timeout=30, what="the failed row")
             assert rows[1].has_class("-failed")
             assert any(n.title == "Rank failed" for n in app._notifications)
             assert len(app.query(ChatMessage)) == 2, "the transcript stays"
             await pilot.press("ctrl+r")
-            await until(pilot, lambda: not app.failed and app.own_cluster, timeout=90, what="relaunch")
+            await until(pilot, lambda: not app.chat.failed and app.chat.own_cluster, timeout=90, what="relaunch")
             await until(pilot, lambda: [r.stats.state for r in app.query(RankRow)] == ["ready", "ready"],
                         what="exactly the new ring's two rows, ready")
             await send(pilot, "After the relaunch.")
             await until(pilot, lambda: all(r.stats.kv_tokens > 0 for r in app.query(RankRow)),
                         what="KV after re-prefill")
-            assert len(app.session.messages) == 4
+            assert len(app.chat.session.messages) == 4
     finally:
         clusters.drop(RANKS)
 
 
-class ProgressApp(CpchatApp):
-    """Records the phases of long work the app showed."""
+class ProgressChat(ChatScreen):
+    """Records the phases of long work the screen showed."""
 
     def on_work_progress(self, message) -> None:
         self.phases = getattr(self, "phases", [])
         self.phases.append((message.phase, message.done, message.total))
+
+
+class ProgressApp(CpchatApp):
+    CHAT_SCREEN = ProgressChat
 
 
 async def test_hub_model_downloads_with_progress_then_answers(model, tmp_path, monkeypatch):
@@ -502,7 +517,7 @@ async def test_hub_model_downloads_with_progress_then_answers(model, tmp_path, m
                       transcripts=tmp_path / "transcripts")
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        assert [p for p in app.phases if p[0] == "download"] == [("download", n, 3) for n in (1, 2, 3)]
+        assert [p for p in app.chat.phases if p[0] == "download"] == [("download", n, 3) for n in (1, 2, 3)]
         assert "tiny-chat" in app.sub_title
         await send(pilot, "hello")
-        assert assistant_messages(app) and app.cluster.model.name == "acme/tiny-chat"
+        assert assistant_messages(app) and app.chat.cluster.model.name == "acme/tiny-chat"

@@ -58,11 +58,12 @@ def make_app() -> CpchatApp:
 
 async def ready(pilot) -> None:
     app: CpchatApp = pilot.app
+    await pilot.pause()  # the chat screen composes once the app runs
     app.query_one(ChatInput).cursor_blink = False
-    app.post_message(BackendReady(MODEL, RANKS))
+    app.chat.post_message(BackendReady(MODEL, RANKS))
     await pilot.pause()
     for rank in (0, 1):
-        app.post_message(StatsArrived(stats(rank, "ready", 0)))
+        app.chat.post_message(StatsArrived(stats(rank, "ready", 0)))
     await pilot.pause()
 
 
@@ -71,8 +72,8 @@ async def attach(pilot) -> None:
     pdf = Document("vault manual.pdf", "PDF", 48213, (Section("vault manual.pdf", DOC_TEXT),), 24, "pages")
     files = tuple(Section(f"site-notes/{i}.md", "x") for i in range(7))
     folder = Document("site-notes", "folder", 20480, files, left_out=("2 files ignored by .gitignore",))
-    pilot.app.post_message(DocumentRead(Path("/docs/vault manual.pdf"), pdf, 9104))
-    pilot.app.post_message(DocumentRead(Path("/docs/site-notes"), folder, 5120))
+    pilot.app.chat.post_message(DocumentRead(Path("/docs/vault manual.pdf"), pdf, 9104))
+    pilot.app.chat.post_message(DocumentRead(Path("/docs/site-notes"), folder, 5120))
     pilot.app.query_one(ChatInput).load_text("What is the vault code?")
     await pilot.pause()
 
@@ -87,12 +88,12 @@ async def mid_answer(pilot) -> None:
     app: CpchatApp = pilot.app
     await ready(pilot)
     entry = Entry("user", "What is the vault code?", "…", ["vault manual.txt"])
-    await app.show_turn(entry)
-    app.post_message(WorkProgress("prefill", 4, 4))
-    app.post_message(PrefillDone(Prefill(0, 9120, 0, "pass_kv", 1824.0), CHOICE))
+    await app.chat.show_turn(entry)
+    app.chat.post_message(WorkProgress("prefill", 4, 4))
+    app.chat.post_message(PrefillDone(Prefill(0, 9120, 0, "pass_kv", 1824.0), CHOICE))
     for rank, kv in ((0, 4566), (1, 4570)):
-        app.post_message(StatsArrived(stats(rank, "busy", kv)))
-    app.post_message(TokensArrived(ANSWER, 1))
+        app.chat.post_message(StatsArrived(stats(rank, "busy", kv)))
+    app.chat.post_message(TokensArrived(ANSWER, 1))
     await pilot.pause()
     await pilot.pause()
     panel = app.query_one(ThroughputPanel)
@@ -103,8 +104,8 @@ async def mid_answer(pilot) -> None:
 async def failed_rank(pilot) -> None:
     app: CpchatApp = pilot.app
     await mid_answer(pilot)
-    app.post_message(StatsArrived(stats(1, "failed", 0, "rank 1 (127.0.0.1:7071) stopped answering")))
-    app.post_message(TurnFinished(error="rank 1 (127.0.0.1:7071) stopped answering during decode"))
+    app.chat.post_message(StatsArrived(stats(1, "failed", 0, "rank 1 (127.0.0.1:7071) stopped answering")))
+    app.chat.post_message(TurnFinished(error="rank 1 (127.0.0.1:7071) stopped answering during decode"))
     await pilot.pause()
     await pilot.pause()
 

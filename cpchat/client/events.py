@@ -68,14 +68,18 @@ class Error:
 
 @dataclass
 class Progress:
-    """Long work under way: loading the model, or prefill layer by layer."""
+    """A prefill under way: of `total` prompt tokens, `cached` were held already and `processed` of
+    the new ones are done, counted layer-weighted (the ranks take the whole prompt layer by layer)."""
 
-    phase: str  # "load" | "prefill"
-    done: int
+    turn: int
     total: int
+    cached: int
+    processed: int
+    ms: float
 
 
-EVENT_NAMES = {Ready: "ready", Prefill: "prefill", Token: "token", Done: "done", Error: "error"}
+EVENT_NAMES = {Ready: "ready", Progress: "progress", Prefill: "prefill", Token: "token", Done: "done",
+               Error: "error"}
 
 
 @dataclass

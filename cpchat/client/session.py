@@ -25,6 +25,7 @@ from cpchat.core.heuristics import explain_algorithm
 from cpchat.protocol import cpchat_pb2 as pb
 
 Event = Prefill | Progress | Token | Done
+PROGRESS_INTERVAL_S = 0.25  # prefill progress at most 4 times a second (and once at its end)
 
 
 @dataclass
@@ -122,6 +123,10 @@ class Session:
     def fits(self, turn: Turn) -> bool:
         """Whether the prompt leaves room for at least one answer token in the model's context."""
         return not self.context_limit or len(turn.tokens) < self.context_limit
+
+    def new_tokens(self, turn: Turn) -> int:
+        """The prompt tokens the ranks do not hold yet: what its prefill computes."""
+        return len(turn.tokens) - self._kept(turn.tokens)
 
     def prefill_estimate_s(self, turn: Turn) -> float | None:
         """Seconds the turn's prefill should take, from the ranks' calibration (None: not measured)."""
@@ -234,6 +239,7 @@ class Session:
         shown: list[str] = []
         t_start = time.perf_counter()
         t_first = t_last = None
+        t_progress = t_start
         done = None
         cancel_sent = False
         for event in self.cluster.generate(request):
@@ -242,7 +248,12 @@ class Session:
                 cancel_sent = True
             which = event.WhichOneof("event")
             if which == "progress":
-                yield Progress("prefill", event.progress.layer, event.progress.num_layers)
+                layer, layers = event.progress.layer, event.progress.num_layers
+                now = time.perf_counter()
+                if now - t_progress >= PROGRESS_INTERVAL_S or layer == layers:
+                    t_progress = now
+                    yield Progress(turn, len(full), keep, len(new) * layer // layers,
+                                   round(1000 * (now - t_start), 1))
             elif which == "prefill":
                 yield Prefill(turn, len(new), keep, choice.algorithm, round(event.prefill.ms, 1))
             elif which == "token":

@@ -17,6 +17,8 @@ from concurrent import futures
 import grpc
 import mlx.core as mx
 import psutil
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from cpchat import blas
 from cpchat.core.estimate import PrefillCost
@@ -51,6 +53,11 @@ MAX_ID = 128  # characters in a request or ring id
 MAX_DIMS = 8
 WIND_DOWN_S = 5.0  # how long Configure waits for an aborted request to roll back
 CALIBRATE_TIMEOUT_S = 30.0
+CONTROL_SERVICE = pb.DESCRIPTOR.services_by_name["Control"].full_name
+RING_SERVICE = pb.DESCRIPTOR.services_by_name["Ring"].full_name
+# What grpc.health.v1.Health reports on: the whole server ("") and the Control service.
+HEALTH_CHECKED = ("", CONTROL_SERVICE)
+SERVING_STATES = frozenset({"ready", "busy"})  # a generation running is still serving
 _END = object()
 
 
@@ -70,6 +77,12 @@ def check_ring(rank: int, addresses: list[str], ring_id: str) -> None:
             raise BadRequest(f"bad rank address {a[:60]!r}: expected host:port")
     if len(ring_id) > MAX_ID:
         raise BadRequest(f"ring_id longer than {MAX_ID} characters")
+
+
+def serving(state: str, model_loaded: bool) -> bool:
+    """What standard gRPC health checks report: SERVING once a model is loaded and the rank is
+    ready or generating; NOT_SERVING without a model, while one loads, and in any other state."""
+    return model_loaded and state in SERVING_STATES
 
 
 def status_of(e: BadRequest) -> grpc.StatusCode:
@@ -99,6 +112,10 @@ class RankState:
         # Every MLX operation of the rank runs on this one thread: an array made lazily on one
         # thread cannot be evaluated on another (mlx-lm's RoPE tables, bfloat16 views, KV buffers).
         self.mlx = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+        # The standard health service, for grpcurl, Kubernetes probes and load balancers. A Watch
+        # stream holds a server thread (as Stats does) so that `set` never waits on a watcher.
+        self.health = health.HealthServicer(experimental_non_blocking=False)
+        self._publish_health()
 
     def on_mlx(self, fn, *args):
         """Run fn on the MLX thread and wait for its result."""
@@ -113,7 +130,14 @@ class RankState:
         with self.changed:
             self._state = value
             self.changes += 1
+            self._publish_health()
             self.changed.notify_all()
+
+    def _publish_health(self) -> None:
+        up = serving(self._state, self.engine.model is not None)
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in HEALTH_CHECKED:
+            self.health.set(service, status)
 
     def wait_for_change(self, seen: int, timeout: float) -> int:
         """Wait until the state has changed since `seen` changes, or timeout; the count now."""
@@ -433,12 +457,21 @@ def add_ring_servicer(servicer: RingServicer, server: grpc.Server) -> None:
     link = grpc.stream_unary_rpc_method_handler(
         servicer.Link, response_serializer=pb.LinkClosed.SerializeToString
     )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("cpchat.Ring", {"Link": link}),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RING_SERVICE, {"Link": link}),))
+
+
+def add_probe_services(state: RankState, server: grpc.Server) -> None:
+    """The standard grpc.health.v1.Health and server reflection, for grpcurl, Kubernetes probes and
+    load balancers; behind the token like every other RPC."""
+    health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
+    reflection.enable_server_reflection(
+        (CONTROL_SERVICE, RING_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
 
 
 class TokenCheck(grpc.ServerInterceptor):
-    """Refuse every RPC (control and ring) that lacks the cluster token, before any servicer runs;
-    the refusal says nothing about the rank."""
+    """Refuse every RPC (control, ring, health and reflection) that lacks the cluster token, before
+    any servicer runs; the refusal says nothing about the rank."""
 
     def __init__(self, token: str) -> None:
         self.token = token.encode()
@@ -481,6 +514,7 @@ def serve(
                          interceptors=interceptors)
     pb_grpc.add_ControlServicer_to_server(ControlServicer(state, stop), server)
     add_ring_servicer(RingServicer(state), server)
+    add_probe_services(state, server)
     address = f"{host}:{port}"
     if tls_cert and tls_key:
         bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
@@ -497,6 +531,7 @@ def serve(
             pass
     except KeyboardInterrupt:
         pass
+    state.health.enter_graceful_shutdown()  # NOT_SERVING for the grace period, to balancers
     server.stop(grace=0.5).wait()
 
 

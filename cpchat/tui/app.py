@@ -1,91 +1,39 @@
-"""The cpchat TUI: a long-document chat with live Ranks, Ring and Throughput panels.
+"""The cpchat TUI: a shell around the chat screen (cpchat.tui.chat).
 
-Everything that talks to the ranks (connect, load, generate, stats, reset,
-cancel) runs in thread workers; they post messages (cpchat.tui.messages) and
-the app turns those into reactive updates on the event loop, which therefore
-never waits on the backend.
+The app holds what is app-wide: styles, theme, help, the palette and the exit
+status; the chat, its backend workers and its panels live on ChatScreen.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import threading
-import time
-from dataclasses import replace
 from pathlib import Path
 
-from textual import on, work
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import App, SystemCommand
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.reactive import reactive
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Markdown
 
-from cpchat.client.cluster import BackendError, BadInput, Cluster, ModelInfo
-from cpchat.client.documents import Document, DocumentCancelled, read_document, render_sections
-from cpchat.client.events import Done, Prefill, Progress, RankStats, Token
-from cpchat.client.hub import front_end_copy
-from cpchat.client.session import Message as SessionMessage
-from cpchat.client.session import SamplingOptions, Session, Turn, load_tokenizer
-from cpchat.client.settings import Settings, data_dir, resolve_model, resolve_settings
-from cpchat.tui.messages import (
-    BackendFailed,
-    BackendReady,
-    ConversationCleared,
-    DocumentRead,
-    Notice,
-    PrefillDone,
-    RankInfo,
-    StatsArrived,
-    TokensArrived,
-    TurnFinished,
-    TurnPrepared,
-    WorkProgress,
-)
-from cpchat.tui.paths import split_paste
-from cpchat.tui.screens import AttachmentsScreen, ContextBudget, FilePicker, HelpScreen
-from cpchat.tui.store import Entry, TranscriptStore
-from cpchat.tui.widgets import (
-    AttachmentBar,
-    AttachmentChip,
-    ChatInput,
-    ChatMessage,
-    RanksPanel,
-    RingPanel,
-    ThroughputPanel,
-    Transcript,
-    WorkBar,
-)
-
-ALGORITHMS = ("auto", "pass_kv", "pass_q")
-WORK_LABELS = {"download": "Downloading model, MiB", "connect": "Starting ranks",
-               "load": "Loading model on ranks", "prefill": "Prefill, layer"}
+from cpchat import EXIT_USAGE
+from cpchat.client.cluster import BadInput, Cluster
+from cpchat.client.connect import ClusterOptions
+from cpchat.client.settings import Settings, resolve_model, resolve_settings
+from cpchat.tui.chat import ChatScreen
+from cpchat.tui.screens import HelpScreen
 
 
 class CpchatApp(App[int]):
-    """`cluster`/`model_path` inject a running, loaded cluster (tests); otherwise the app
-    launches or attaches its own from `args`. `start_backend=False` leaves the backend
-    out entirely, for snapshots that post messages themselves."""
+    """Arguments go to the ChatScreen (see there); `exit_message` is printed after the app ends."""
 
     CSS_PATH = Path(__file__).with_name("app.tcss")
     TITLE = "cpchat"
-    BINDINGS = [
-        Binding("escape", "stop", "Stop", show=True),
-        Binding("ctrl+o", "attach_file", "Attach"),
-        Binding("ctrl+l", "clear", "Clear"),
-        Binding("ctrl+r", "relaunch", "Relaunch ranks"),
-        Binding("f1", "help", "Help"),
-    ]
-
-    busy: reactive[bool] = reactive(False)
-    failed: reactive[bool] = reactive(False)
+    BINDINGS = [Binding("f1", "help", "Help")]
+    CHAT_SCREEN: type[ChatScreen] = ChatScreen  # tests observe the chat through a subclass
 
     def __init__(
         self,
         settings: Settings,
-        args: argparse.Namespace | None = None,
+        options: ClusterOptions | None = None,
         *,
         cluster: Cluster | None = None,
         model_path: str | None = None,
@@ -94,633 +42,44 @@ class CpchatApp(App[int]):
         transcripts: Path | None = None,
     ) -> None:
         super().__init__()
-        self.settings, self.args = settings, args
-        self.cluster, self.model_path = cluster, model_path
-        self.tokenizer_dir: str | None = None  # where the front end reads a hub model's tokenizer
-        self.own_cluster = False
-        self.resume, self.start_backend = resume, start_backend
-        self.model: ModelInfo | None = None
-        self.tokenizer = None
-        self.session: Session | None = None
-        self.entries: list[Entry] = []
-        self.store = TranscriptStore(transcripts or data_dir() / "transcripts")
+        self.settings = settings
         self.exit_message = ""
-        self.turns_done = 0
-        self._shutting_down = threading.Event()
-        self._stats_stop = threading.Event()
-        self._answer: ChatMessage | None = None
-        self._stream = None
-        self._answer_text = ""
-        self._tokens = 0
-        self._first_token_at = self._sent_at = 0.0
-        self._cancelled = False
-        self._failed_ranks: set[int] = set()
-        self._reading: threading.Event | None = None  # set it to stop the document being read
-        self._preparing = False
-        self._prefill_expected: float | None = None
-        self._ring_steps: dict[int, RankStats] = {}
+        self._chat_arguments = dict(options=options, cluster=cluster, model_path=model_path, resume=resume,
+                                    start_backend=start_backend, transcripts=transcripts)
+        self._chat: ChatScreen | None = None
 
-    # ---- layout
+    @property
+    def chat(self) -> ChatScreen:
+        assert self._chat is not None, "the app is not running"
+        return self._chat
 
-    def compose(self) -> ComposeResult:
-        yield Header()
-        with Horizontal(id="body"):
-            with Vertical(id="main"):
-                yield Transcript(id="transcript")
-                yield WorkBar(id="work")
-                yield AttachmentBar(id="attachments")
-                yield ChatInput(id="prompt", placeholder="Ask about your documents…  (drop files to attach)")
-            with VerticalScroll(id="side"):
-                yield RanksPanel(id="ranks")
-                yield RingPanel(id="ring")
-                yield ThroughputPanel(id="throughput")
-        yield Footer()
+    def get_default_screen(self) -> Screen:
+        """Made here, not in __init__: widgets are built inside the running app."""
+        self._chat = self.CHAT_SCREEN(self.settings, **self._chat_arguments)
+        return self._chat
 
     def on_mount(self) -> None:
         if self.settings.theme in self.available_themes:
             self.theme = self.settings.theme
-        self.query_one(RingPanel).mode = self.settings.algorithm
-        self.query_one(WorkBar).hide()
-        self.query_one(ChatInput).focus()
-        if self.resume:
-            self._resume_last()
-        if self.start_backend:
-            self.sub_title = "starting…"
-            self.start_cluster()
-
-    # ---- backend life cycle
-
-    @work(thread=True, group="backend", exclusive=True, exit_on_error=False)
-    def start_cluster(self) -> None:
-        """Connect (or launch) and load; a failure here ends the app with a one-line message."""
-        try:
-            description = ""
-            if self.cluster is None:
-                model_path, description = resolve_model(self.settings.model)
-                self.model_path = model_path
-                attached = bool(self.args and (self.args.attach or self.args.hostfile))
-                self.tokenizer_dir = front_end_copy(model_path, whole_model=not attached,
-                                                    progress=self._download_progress)
-                n = self.settings.ranks
-                self.post_message(WorkProgress("connect", 0, n))
-                from cpchat.headless import connect_cluster
-
-                cluster = connect_cluster(self.args or _default_args(), n)
-                self.cluster, self.own_cluster = cluster, cluster.is_local
-                if self._shutting_down.is_set():
-                    return
-                self._post_rank_states(cluster, "loading")
-                cluster.load(model_path, on_progress=self._load_progress)
-            assert self.cluster is not None and self.model_path is not None
-            if self.cluster.model is None:
-                self.cluster.load(self.model_path)
-            self.tokenizer = load_tokenizer(self.tokenizer_dir or self.model_path)
-            self.post_message(self._ready_message(description))
-        except BadInput as e:
-            self.post_message(BackendFailed(str(e), startup=True, exit_code=2))
-        except BackendError as e:
-            self.post_message(BackendFailed(str(e), startup=True, exit_code=3))
-
-    def _download_progress(self, done_bytes: int, total_bytes: int) -> None:
-        self.post_message(WorkProgress("download", done_bytes >> 20, total_bytes >> 20))
-
-    def _load_progress(self, done: int, total: int) -> None:
-        self.post_message(WorkProgress("load", done, total))
-
-    def _ready_message(self, description: str = "") -> BackendReady:
-        assert self.cluster is not None and self.cluster.model is not None
-        ranks = [RankInfo(r.rank, r.address, r.blas_label, bool(r.blas.fix)) for r in self.cluster.ranks]
-        return BackendReady(self.cluster.model, ranks, description, self.cluster.slow_blas_warning())
-
-    def _post_rank_states(self, cluster: Cluster, state: str) -> None:
-        for r in cluster.ranks:
-            self.post_message(StatsArrived(RankStats(r.rank, r.address, state)))
-
-    async def on_backend_ready(self, message: BackendReady) -> None:
-        self.model = message.model
-        self.failed = False
-        self._failed_ranks.clear()
-        self.query_one(WorkBar).hide()
-        panel = self.query_one(RanksPanel)
-        await panel.set_ranks([RankStats(r.rank, r.address, "ready", blas=r.blas, slow_blas=r.slow_blas)
-                               for r in message.ranks])
-        self.query_one(ThroughputPanel).context_max = message.model.max_context
-        name = Path(message.model.name).name or message.model.name
-        self.sub_title = f"{name} · {len(message.ranks)} ranks"
-        if message.description and not self.settings.model:
-            self.notify(f"Using {message.description}.", timeout=5)
-        if message.blas_warning:
-            self.notify(message.blas_warning[0].upper() + message.blas_warning[1:], title="Slow BLAS",
-                        severity="warning", timeout=30)
-        if self.cluster is not None and self.tokenizer is not None:
-            if self.session is None:
-                s = self.settings
-                sampling = SamplingOptions(s.max_tokens, s.temp, s.top_p, s.seed)
-                self.session = Session(self.cluster, self.tokenizer, algorithm=s.algorithm, sampling=sampling)
-                self.session.messages = [SessionMessage(e.role, e.content, e.docs) for e in self.entries]
-            else:
-                self.session.attach(self.cluster)
-            self.follow_stats(self.cluster)
-            self.count_tokens([c for c in self.query(AttachmentChip) if c.tokens is None])
-
-    def on_backend_failed(self, message: BackendFailed) -> None:
-        if message.startup:
-            self.exit_message = message.message
-            self.exit(return_code=message.exit_code)
-            return
-        self.notify(message.message, severity="error", timeout=10)
-
-    @work(thread=True, group="stats", exclusive=True, exit_on_error=False)
-    def follow_stats(self, cluster: Cluster) -> None:
-        """Forward the ranks' stats; they arrive only when something changed."""
-        self._stats_stop.set()  # end the previous cluster's stream, if any
-        stop = self._stats_stop = threading.Event()
-        try:
-            for stats in cluster.stats(interval_s=0.25, stop=stop):
-                if stop.is_set():
-                    break
-                self.post_message(StatsArrived(stats))
-        except Exception as e:  # the stream of a dying cluster; the rows already show it
-            self.post_message(Notice(f"rank stats stopped: {e}", "warning"))
-
-    def on_stats_arrived(self, message: StatsArrived) -> None:
-        if not self.is_running or not self.screen.is_mounted:
-            return  # the stats thread outlived the screen (quitting)
-        stats = message.stats
-        panel = self.query_one(RanksPanel)
-        panel.update_stats(stats)
-        if stats.state == "failed":
-            if stats.rank not in self._failed_ranks:
-                self._failed_ranks.add(stats.rank)
-                self._report_failure(stats.error or f"rank {stats.rank} ({stats.address}) failed")
-            return
-        if stats.ring_steps:
-            self._ring_steps[stats.rank] = stats
-            steps = [s for st in self._ring_steps.values() for s in st.ring_steps]
-            self.query_one(RingPanel).show_pass(stats.algorithm, steps)
-        self.query_one(ThroughputPanel).context_used = panel.total_kv_tokens
-
-    def _report_failure(self, text: str) -> None:
-        self.failed = True
-        hint = " Press Ctrl+R to relaunch the ranks." if self.cluster is None or self.cluster.is_local else ""
-        self.notify(f"{text}.{hint}", title="Rank failed", severity="error", timeout=30)
-
-    @work(thread=True, group="backend", exclusive=True, exit_on_error=False)
-    def relaunch(self) -> None:
-        """Replace the ranks with fresh local ones; the conversation is re-prefilled next turn."""
-        old = self.cluster
-        n = old.size if old is not None else self.settings.ranks
-        self._stats_stop.set()
-        if old is not None and self.own_cluster:
-            old.close()
-        try:
-            self.post_message(WorkProgress("connect", 0, n))
-            cluster = Cluster.launch(n)
-            cluster.connect()
-            self.cluster, self.own_cluster = cluster, True
-            if self._shutting_down.is_set():
-                return
-            self._post_rank_states(cluster, "loading")
-            assert self.model_path is not None
-            cluster.load(self.model_path, on_progress=self._load_progress)
-            self.post_message(self._ready_message())
-            self.post_message(Notice("Ranks relaunched; the next turn re-reads the conversation."))
-        except (BackendError, BadInput) as e:
-            self.post_message(WorkProgress("connect", 0, 0))
-            self.post_message(BackendFailed(f"relaunch failed: {e}"))
-
-    def on_work_progress(self, message: WorkProgress) -> None:
-        bar = self.query_one(WorkBar)
-        if message.total <= 0 or (message.phase != "prefill" and message.done >= message.total):
-            bar.hide()
-        else:
-            label = message.label or WORK_LABELS.get(message.phase, message.phase)
-            expected = self._prefill_expected if message.phase == "prefill" else None
-            bar.show(message.phase, label, message.done, message.total, expected_s=expected)
-
-    def on_unmount(self) -> None:
-        """Stop everything that waits on the ranks; close the ranks we launched."""
-        self._shutting_down.set()
-        self._stats_stop.set()
-        if self.busy and self.session is not None:
-            self.session.cancel()
-        self.store.flush()
-        if self.own_cluster and self.cluster is not None:
-            self.cluster.close()
-
-    # ---- a turn
-
-    @on(ChatInput.Submitted)
-    async def on_submitted(self, event: ChatInput.Submitted) -> None:
-        text = event.text.strip()
-        prompt = self.query_one(ChatInput)
-        if text.startswith("/") and await self._slash_command(text):
-            prompt.remember(text)
-            prompt.clear()
-            return
-        chips = self.query_one(AttachmentBar).chips()
-        if not text and not chips:
-            return
-        if self.busy:
-            self.notify("An answer is still streaming; Esc stops it.", severity="warning")
-            return
-        if self.session is None:
-            self.notify("The ranks are not ready yet.", severity="warning")
-            return
-        if self.failed:
-            self.notify("A rank has failed: press Ctrl+R to relaunch the ranks.", severity="error")
-            return
-        if self._preparing:
-            return
-        self._preparing = True
-        self.prepare_turn(event.text, text, [c.document for c in chips])
-
-    @work(thread=True, group="prepare", exit_on_error=False)
-    def prepare_turn(self, typed: str, text: str, documents: list[Document]) -> None:
-        """Tokenize the prompt off the loop (a long document takes seconds) and estimate its prefill."""
-        session = self.session
-        assert session is not None
-        try:
-            turn = session.prepare(text, documents)
-        except BadInput as e:
-            self.post_message(Notice(str(e), "error"))
-            self.post_message(TurnPrepared(typed, None))
-            return
-        self.post_message(TurnPrepared(typed, turn, session.prefill_estimate_s(turn)))
-
-    async def on_turn_prepared(self, message: TurnPrepared) -> None:
-        self._preparing = False
-        turn = message.turn
-        if turn is None or self.session is None:
-            return
-        if self.session.fits(turn):
-            await self._send(message, past_context=False)
-            return
-        chips = self.query_one(AttachmentBar).chips()
-
-        async def decided(choice: str | None) -> None:
-            if choice == "send":
-                await self._send(message, past_context=True)
-            elif choice and choice.startswith("remove:"):
-                await self.query_one(AttachmentBar).remove_chip(chips[int(choice.partition(":")[2])])
-                self.post_message(ChatInput.Submitted(message.typed))
-
-        attachments = [(c.document.name, c.tokens) for c in chips]
-        self.push_screen(ContextBudget(len(turn.tokens), self.session.context_limit, attachments), decided)
-
-    async def _send(self, message: TurnPrepared, past_context: bool) -> None:
-        turn = message.turn
-        assert turn is not None
-        prompt = self.query_one(ChatInput)
-        entry = Entry("user", message.typed.strip(), turn.content, turn.docs)
-        prompt.remember(message.typed)
-        prompt.clear()
-        await self.query_one(AttachmentBar).clear()
-        await self.show_turn(entry)
-        self._prefill_expected = message.expected_s
-        if self.model is not None:
-            self.post_message(WorkProgress("prefill", 0, self.model.num_layers))
-        self.generate(turn, entry, past_context)
-
-    async def show_turn(self, entry: Entry) -> None:
-        """Show the user's message and an empty answer that tokens will stream into."""
-        self.entries.append(entry)
-        transcript = self.query_one(Transcript)
-        self._answer = ChatMessage("assistant", "")
-        self._answer.add_class("-streaming")
-        question = ChatMessage("user", entry.text or "*(documents only)*", entry.docs)
-        await transcript.mount_all([question, self._answer])
-        self._stream = Markdown.get_stream(self._answer)
-        self._answer_text, self._tokens, self._cancelled = "", 0, False
-        self._first_token_at, self._sent_at = 0.0, time.monotonic()
-        self.busy = True
-        transcript.scroll_end(animate=False)
-
-    @work(thread=True, group="generate", exclusive=True, exit_on_error=False)
-    def generate(self, turn: Turn, entry: Entry, past_context: bool) -> None:
-        """Run a turn; every event becomes a message. Tokens are saved before they are shown."""
-        session = self.session
-        assert session is not None
-        self.store.add(entry)
-        streamed = False
-        try:
-            for event in session.run(turn, past_context):
-                if isinstance(event, Token):
-                    streamed = True
-                    self.store.delta(event.text)
-                    self.post_message(TokensArrived(event.text, 1))
-                elif isinstance(event, Progress):
-                    self.post_message(WorkProgress("prefill", event.done, event.total))
-                elif isinstance(event, Prefill):
-                    self.post_message(PrefillDone(event, session.last_choice))
-                elif isinstance(event, Done):
-                    self.post_message(TurnFinished(done=event, cancelled=self._cancelled))
-        except (BackendError, BadInput) as e:
-            self.post_message(TurnFinished(error=str(e), cancelled=self._cancelled))
-        except Exception as e:  # an unexpected client error must not take the transcript down
-            self.post_message(TurnFinished(error=f"{type(e).__name__}: {e}"))
-        finally:
-            if streamed:
-                self.store.end()
-
-    def on_prefill_done(self, message: PrefillDone) -> None:
-        self.query_one(WorkBar).hide()
-        p = message.prefill
-        if message.choice is not None:
-            self.query_one(RingPanel).choice = message.choice
-        if p.ms > 0:
-            self.query_one(ThroughputPanel).prefill_tps = p.new_tokens / (p.ms / 1000)
-
-    async def on_tokens_arrived(self, message: TokensArrived) -> None:
-        now = time.monotonic()
-        if not self._tokens:
-            self._first_token_at = now
-            # time to first token as seen here; Done brings the client's own figure
-            self.query_one(ThroughputPanel).ttft_ms = 1000 * (now - self._sent_at)
-        self._tokens += message.count
-        self._answer_text += message.text
-        if self._stream is not None:
-            await self._stream.write(message.text)
-        if self._tokens > 1 and now > self._first_token_at:
-            self.query_one(ThroughputPanel).decode_tps = (self._tokens - 1) / (now - self._first_token_at)
-
-    async def on_turn_finished(self, message: TurnFinished) -> None:
-        self.query_one(WorkBar).hide()
-        answer, stream = self._answer, self._stream
-        self._stream = None
-        if stream is not None:
-            await stream.stop()
-        if answer is not None:
-            answer.remove_class("-streaming")
-            await answer.update(self._answer_text or ("*(no answer)*" if not message.error else ""))
-            if message.cancelled:
-                answer.border_subtitle = "stopped"
-            if message.error:
-                answer.border_subtitle = "interrupted"
-                answer.add_class("-error")
-        if self._answer_text or message.done is not None:
-            self.entries.append(Entry("assistant", self._answer_text))
-        elif self.entries and self.entries[-1].role == "user" and message.error:
-            # the client dropped the failed user turn; keep it on screen, not in the model's history
-            pass
-        if message.done is not None:
-            done = message.done
-            panel = self.query_one(ThroughputPanel)
-            panel.ttft_ms = done.ttft_ms
-            if done.decode_tokens_per_s:
-                panel.decode_tps = done.decode_tokens_per_s
-            panel.context_used = sum(r.kv_tokens for r in done.ranks)
-            self.turns_done += 1
-        if message.error:
-            failed = self.cluster is not None and any(r.state == "failed" for r in self.cluster.ranks)
-            if failed:
-                self.query_one(RanksPanel).mark(
-                    "failed", message.error, [r.rank for r in self.cluster.ranks if r.state == "failed"])
-                self._failed_ranks.update(r.rank for r in self.cluster.ranks if r.state == "failed")
-                self._report_failure(message.error)
-            elif not self.failed:  # a failed rank was already reported by its stats stream
-                self.notify(message.error, severity="error", timeout=10)
-        self.busy = False
-        self._answer = None
-
-    def on_notice(self, message: Notice) -> None:
-        self.notify(message.text, severity=message.severity, timeout=message.timeout)  # type: ignore[arg-type]
-
-    def action_stop(self) -> None:
-        """Esc: stop the reading of a document, or the answer now (what arrived stays)."""
-        if self._reading is not None:
-            self._reading.set()
-            return
-        if not self.busy or self.session is None:
-            return
-        self._cancelled = True
-        threading.Thread(target=self.session.cancel, name="cancel", daemon=True).start()
-
-    def watch_busy(self, busy: bool) -> None:
-        self.query_one(ChatInput).set_class(busy, "-busy")
-        self.refresh_bindings()
-
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action == "stop":
-            return True if self.busy or self._reading is not None else None
-        if action == "relaunch":
-            return self.failed
-        return True
-
-    # ---- attachments
-
-    @on(ChatInput.PathsDropped)
-    def on_paths_dropped(self, event: ChatInput.PathsDropped) -> None:
-        self.attach_paths(event.paths)
-
-    @work(thread=True, group="attach", exit_on_error=False)
-    def attach_paths(self, paths: list[Path]) -> None:
-        """Read each document off the loop, with progress; a bad one becomes a notice, never a
-        crash, and Esc stops the reading (of this path and the rest)."""
-        cancel = self._reading = threading.Event()
-        try:
-            for path in paths:
-                try:
-                    document = read_document(path, self._read_progress(path.name), cancel)
-                except BadInput as e:
-                    self.post_message(Notice(str(e), "error"))
-                    continue
-                except DocumentCancelled:
-                    self.post_message(Notice(f"Stopped reading {path.name}; nothing was attached from it."))
-                    break
-                self.post_message(WorkProgress("read", 0, 0))
-                self.post_message(DocumentRead(path, document, self._count(document)))
-        finally:
-            self._reading = None
-            self.post_message(WorkProgress("read", 0, 0))
-
-    def _read_progress(self, name: str):
-        """Reports of pages or files read, at most ten a second."""
-        last = [0.0]
-
-        def report(done: int, total: int) -> None:
-            now = time.monotonic()
-            if now - last[0] >= 0.1 or done == total:
-                last[0] = now
-                self.post_message(WorkProgress("read", done, total, f"Reading {name}"))
-
-        return report
-
-    def _count(self, document: Document) -> int | None:
-        tokenizer = self.tokenizer
-        return len(tokenizer.encode(render_sections(document))) if tokenizer is not None else None
-
-    @work(thread=True, group="attach", exit_on_error=False)
-    def count_tokens(self, chips: list[AttachmentChip]) -> None:
-        for chip in chips:
-            tokens = self._count(chip.document)
-            self.call_from_thread(setattr, chip, "tokens", tokens)
-
-    async def on_document_read(self, message: DocumentRead) -> None:
-        bar = self.query_one(AttachmentBar)
-        path = message.path.resolve()
-        if bar.has(path):
-            self.notify(f"{message.document.name} is already attached.")
-            return
-        await bar.add(AttachmentChip(path, message.document, message.tokens))
-        limit = self.model.max_context if self.model else 0
-        if message.tokens and limit and message.tokens > limit:
-            self.notify(f"{message.document.name} has {message.tokens:,} tokens, more than the model's "
-                        f"{limit:,}-token context.", severity="warning")
-
-    def on_attachment_chip_show(self, message: AttachmentChip.Show) -> None:
-        self.push_screen(AttachmentsScreen([(message.chip.document, message.chip.tokens)]))
-
-    def action_list_attachments(self) -> None:
-        chips = self.query_one(AttachmentBar).chips()
-        self.push_screen(AttachmentsScreen([(c.document, c.tokens) for c in chips]))
-
-    async def on_attachment_chip_remove(self, message: AttachmentChip.Remove) -> None:
-        await self.query_one(AttachmentBar).remove_chip(message.chip)
-        self.query_one(ChatInput).focus()
-
-    async def _slash_command(self, text: str) -> bool:
-        command, _, rest = text.partition(" ")
-        if command == "/attach":
-            items = split_paste(rest) if rest.strip() else None
-            if not items:
-                self.notify("Usage: /attach PATH [PATH…]", severity="warning")
-                return True
-            self.attach_paths([Path(i).expanduser() for i in items])
-            return True
-        actions = {"/clear": self.action_clear, "/help": self.action_help, "/export": self.action_export,
-                   "/relaunch": self.action_relaunch}
-        if command in actions:
-            actions[command]()
-            return True
-        if command == "/algorithm" and rest.strip() in ALGORITHMS:
-            self.set_algorithm(rest.strip())
-            return True
-        return False
-
-    def action_attach_file(self) -> None:
-        def picked(path: Path | None) -> None:
-            if path is not None:
-                self.attach_paths([path])
-
-        self.push_screen(FilePicker(Path.cwd()), picked)
-
-    # ---- palette actions
 
     def get_system_commands(self, screen: Screen):
         yield from super().get_system_commands(screen)
-        yield SystemCommand("Attach file", "Pick a document to include in the next message",
-                            self.action_attach_file)
-        yield SystemCommand("List attachments", "What goes into the next message, a folder's files too",
-                            self.action_list_attachments)
-        yield SystemCommand("Clear conversation", "Forget the conversation and the ranks' KV cache",
-                            self.action_clear)
-        for algorithm in ALGORITHMS:
-            yield SystemCommand(f"Algorithm: {algorithm}", f"Use {algorithm} for the ring from the next turn",
-                                lambda a=algorithm: self.set_algorithm(a))
-        yield SystemCommand("Export transcript", "Save the conversation as Markdown", self.action_export)
-        yield SystemCommand("Relaunch ranks", "Start fresh local ranks and re-read the conversation",
-                            self.action_relaunch)
+        yield from self.chat.system_commands()
         yield SystemCommand("Show help", "Keys, attachments and panels", self.action_help)
-
-    def set_algorithm(self, algorithm: str) -> None:
-        self.settings = replace(self.settings, algorithm=algorithm)
-        if self.session is not None:
-            self.session.algorithm = algorithm
-        self.query_one(RingPanel).mode = algorithm
-        self.notify(f"Ring algorithm: {algorithm}")
-
-    def action_clear(self) -> None:
-        if self.busy:
-            self.notify("Stop the answer first (Esc).", severity="warning")
-            return
-        self.reset_conversation()
-
-    @work(thread=True, group="backend", exit_on_error=False)
-    def reset_conversation(self) -> None:
-        if self.session is not None and not self.failed:
-            try:
-                self.session.reset()
-            except BackendError as e:
-                self.post_message(Notice(f"could not reset the ranks: {e}", "error"))
-                return
-        elif self.session is not None:
-            self.session.messages.clear()
-        self.post_message(ConversationCleared())
-
-    async def on_conversation_cleared(self, message: ConversationCleared) -> None:
-        await self.query_one(Transcript).remove_children()
-        self.entries.clear()
-        self.store.clear()
-        self.query_one(RingPanel).choice = None
-        panel = self.query_one(ThroughputPanel)
-        panel.ttft_ms = panel.prefill_tps = panel.decode_tps = None
-        self.notify("Conversation cleared.")
-
-    def export_markdown(self) -> str:
-        parts = ["# cpchat transcript\n"]
-        for e in self.entries:
-            head = "## You" if e.role == "user" else "## Assistant"
-            docs = f"\n\n*attached: {', '.join(e.docs)}*" if e.docs else ""
-            parts.append(f"{head}\n\n{e.text}{docs}\n")
-        return "\n".join(parts)
-
-    def action_export(self) -> Path | None:
-        folder = data_dir() / "exports"
-        path = folder / time.strftime("cpchat-%Y%m%d-%H%M%S.md")
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            path.write_text(self.export_markdown(), encoding="utf-8")
-        except OSError as e:
-            self.notify(f"could not export: {e}", severity="error")
-            return None
-        self.notify(f"Transcript exported to {path}", timeout=8)
-        return path
-
-    def action_relaunch(self) -> None:
-        if self.busy:
-            self.notify("Stop the answer first (Esc).", severity="warning")
-            return
-        if self.cluster is not None and not self.cluster.is_local:
-            self.notify("These ranks were attached, not launched: restart them on their machines.",
-                        severity="warning")
-            return
-        self.query_one(RanksPanel).mark("starting")
-        self.relaunch()
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
-    # ---- resume
 
-    def _resume_last(self) -> None:
-        last = TranscriptStore.last(self.store.directory)
-        if last is None:
-            self.notify("No saved transcript to resume.", severity="warning")
-            return
-        self.entries = TranscriptStore.load(last)
-        self.store.path = last
-        transcript = self.query_one(Transcript)
-        transcript.mount_all(ChatMessage(e.role, e.text or "*(documents only)*", e.docs)
-                             for e in self.entries)
-        self.notify(f"Resumed {last.name} ({len(self.entries)} messages).")
-
-
-def _default_args() -> argparse.Namespace:
-    from cpchat.cli import app_parser
-
-    return app_parser().parse_args([])
-
-
-def run_app(args: argparse.Namespace) -> int:
+def run_app(args: argparse.Namespace, options: ClusterOptions) -> int:
     """The TUI entry point: 0 on a normal quit, 2 on bad input, 3 when the backend fails at startup."""
     try:
         settings = resolve_settings(args)
         resolve_model(settings.model)  # a bad model path fails before the screen opens
     except BadInput as e:
         print(f"cpchat: {e}", file=sys.stderr)
-        return 2
-    app = CpchatApp(settings, args, resume=args.resume)
+        return EXIT_USAGE
+    app = CpchatApp(settings, options, resume=args.resume)
     code = app.run()
     if app.exit_message:
         print(f"cpchat: {app.exit_message}", file=sys.stderr)

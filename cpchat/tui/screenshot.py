@@ -23,7 +23,7 @@ async def capture(model: str, out: Path, document: Path, question: str) -> None:
     from textual import events
 
     model_path, _ = resolve_model(model)
-    app = CpchatApp(Settings(model=model, max_tokens=400, seed=7), _args(model))
+    app = CpchatApp(Settings(model=model, max_tokens=400, seed=7))
     async with app.run_test(size=(150, 46)) as pilot:
         async def until(condition, timeout: float = 120.0) -> None:
             deadline = time.monotonic() + timeout
@@ -32,13 +32,13 @@ async def capture(model: str, out: Path, document: Path, question: str) -> None:
                     raise TimeoutError("screenshot: timed out")
                 await pilot.pause(0.05)
 
-        await until(lambda: app.session is not None)
+        await until(lambda: app.chat.session is not None)
         app.query_one(ChatInput).focus()
         app.post_message(events.Paste(f"'{document}'"))
         await until(lambda: any(c.tokens for c in app.query(AttachmentChip)))
         app.query_one(ChatInput).load_text(question)
         await pilot.press("enter")
-        await until(lambda: app.turns_done and not app.busy)
+        await until(lambda: app.chat.turns_done and not app.chat.busy)
         rows = app.query_one(RanksPanel).rows.values()
         await until(lambda: all(r.stats.state == "ready" for r in rows))  # the Stats stream lags a little
         await pilot.pause()
@@ -46,12 +46,6 @@ async def capture(model: str, out: Path, document: Path, question: str) -> None:
         svg = app.save_screenshot(filename=out.with_suffix(".svg").name, path=str(out.parent))
     if shutil.which("rsvg-convert"):
         subprocess.run(["rsvg-convert", "-z", "0.8", svg, "-o", str(out.with_suffix(".png"))], check=True)
-
-
-def _args(model: str) -> argparse.Namespace:
-    from cpchat.cli import app_parser
-
-    return app_parser().parse_args(["--model", model] if model else [])
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ class WorkBar(HorizontalGroup):
                         else f" · longer than the {human_duration(expected_s)} estimated")
         elif self._phase != "prefill" and 0 < done < total:
             estimate = f" · about {human_duration(elapsed / done * (total - done))} left"
-        self.query_one("#work-label", Label).update(f"{label} {done}/{total}{estimate}")
+        self.query_one("#work-label", Label).update(f"{label} {done:,}/{total:,}{estimate}")
 
     def _tick(self) -> None:
         if self.display and self._shown is not None:
