@@ -342,7 +342,7 @@ async def test_a_prompt_past_the_context_asks_first(clusters, tmp_path_factory, 
         await ask(attach=False)
         await pilot.click("#remove-0")
         chat = app.chat
-        await until(pilot, lambda: chat.turns_done == 1 and not chat.busy, what="the turn without the document")
+        await until(pilot, lambda: chat.turns_done == 1 and not chat.busy, what="the turn, no document")
         assert app.chat.session.messages[0].docs == [] and not chips(app)
         await ask()
         await pilot.click("#send")
@@ -463,7 +463,8 @@ async def test_dead_rank_turns_red_and_relaunch_continues(make_app, clusters):
             assert any(n.title == "Rank failed" for n in app._notifications)
             assert len(app.query(ChatMessage)) == 2, "the transcript stays"
             await pilot.press("ctrl+r")
-            await until(pilot, lambda: not app.chat.failed and app.chat.own_cluster, timeout=90, what="relaunch")
+            chat = app.chat
+            await until(pilot, lambda: not chat.failed and chat.own_cluster, timeout=90, what="relaunch")
             await until(pilot, lambda: [r.stats.state for r in app.query(RankRow)] == ["ready", "ready"],
                         what="exactly the new ring's two rows, ready")
             await send(pilot, "After the relaunch.")
