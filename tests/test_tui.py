@@ -6,6 +6,7 @@ rows per rank, KV held, the algorithm shown — never the words.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ from urllib.parse import quote
 import pytest
 from makedocs import write_pdf
 from textual.pilot import Pilot
-from textual.widgets import Label, Markdown
+from textual.widgets import Label, Markdown, Static
 
 from cpchat.cli import main
 from cpchat.client.cluster import Cluster
@@ -24,7 +25,16 @@ from cpchat.tui.app import CpchatApp
 from cpchat.tui.chat import ChatScreen
 from cpchat.tui.screens import AttachmentsScreen, ContextBudget, HelpScreen
 from cpchat.tui.store import TranscriptStore
-from cpchat.tui.widgets import AttachmentChip, BigText, ChatInput, ChatMessage, RankRow, Transcript, WorkBar
+from cpchat.tui.widgets import (
+    AttachmentChip,
+    BigText,
+    ChatInput,
+    ChatMessage,
+    RankRow,
+    StatusStrip,
+    Transcript,
+    WorkBar,
+)
 
 SIZE = (140, 44)
 RANKS = 2
@@ -129,6 +139,9 @@ async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
         assert [r.stats.blas for r in rows] == [h.blas_label for h in app.chat.cluster.ranks]
         assert rows[0].stats.blas and f"BLAS: {rows[0].stats.blas}" in str(rows[0].render())
         assert app.query_one(BigText).text in ("pass_kv", "pass_q")
+        words = {"pass_kv": "pass-KV: keys and values travel the ring",
+                 "pass_q": "pass-Q: queries travel the ring"}
+        assert str(app.query_one("#ring-words", Static).render()) == words[app.query_one(BigText).text]
         assert app.chat.session.last_choice.algorithm == app.query_one(BigText).text
         from cpchat.tui.widgets import ThroughputPanel
 
@@ -161,6 +174,36 @@ async def test_ranks_on_the_reference_blas_are_flagged_with_the_fix(model, tmp_p
             assert row.stats.slow_blas and "BLAS: reference (slow)" in str(row.render())
     finally:
         cluster.close()
+
+
+async def test_panels_collapse_on_narrow_terminals_and_ctrl_b_is_remembered(tmp_path):
+    def make() -> CpchatApp:
+        return CpchatApp(Settings(), start_backend=False, transcripts=tmp_path / "transcripts")
+
+    def shown(app: CpchatApp) -> tuple[bool, bool]:
+        return app.query_one("#side").display, app.query_one(StatusStrip).display
+
+    app = make()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        assert shown(app) == (False, True)
+        assert "ranks" in str(app.query_one(StatusStrip).render())
+        await pilot.press("ctrl+b")
+        assert shown(app) == (True, False)
+    assert json.loads((tmp_path / "tui.json").read_text()) == {"panels": "shown"}
+    app = make()
+    async with app.run_test(size=(200, 60)) as pilot:  # the choice holds at every width
+        await pilot.pause()
+        assert shown(app) == (True, False)
+        await pilot.press("ctrl+b")
+        assert shown(app) == (False, True)
+    app = make()
+    async with app.run_test(size=(200, 60)) as pilot:
+        await pilot.pause()
+        assert shown(app) == (False, True)
+        await pilot.resize_terminal(80, 24)
+        await pilot.press("ctrl+b")
+        assert shown(app) == (True, False)
 
 
 async def test_multiline_input_and_history(make_app):

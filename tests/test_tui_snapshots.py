@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from cpchat.client.cluster import ModelInfo
 from cpchat.client.documents import Document, Section
 from cpchat.client.events import AlgorithmChoice, Prefill, RankStats, RingStep
@@ -128,3 +130,19 @@ def test_snapshot_mid_answer(snap_compare):
 
 def test_snapshot_failed_rank(snap_compare):
     assert snap_compare(make_app(), terminal_size=SIZE, run_before=failed_rank)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30), (120, 40), (200, 60)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("toggled", [False, True], ids=["as-opened", "ctrl-b"])
+def test_snapshot_sizes(snap_compare, tmp_path, size, toggled):
+    """Below 110 columns the panels open collapsed to the strip and Ctrl+B shows them; above, the
+    other way round."""
+
+    async def run_before(pilot) -> None:
+        await mid_answer(pilot)
+        if toggled:
+            await pilot.press("ctrl+b")
+            await pilot.pause()
+
+    app = CpchatApp(Settings(), start_backend=False, transcripts=tmp_path / "transcripts")
+    assert snap_compare(app, terminal_size=size, run_before=run_before)

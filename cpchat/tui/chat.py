@@ -18,7 +18,7 @@ from textual import on, work
 from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.reactive import reactive
+from textual.reactive import reactive, var
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Markdown
 
@@ -45,6 +45,7 @@ from cpchat.tui.messages import (
     WorkProgress,
 )
 from cpchat.tui.paths import split_paste
+from cpchat.tui.prefs import load_panels, save_panels
 from cpchat.tui.screens import AttachmentsScreen, ContextBudget, FilePicker
 from cpchat.tui.store import Entry, TranscriptStore
 from cpchat.tui.widgets import (
@@ -54,12 +55,14 @@ from cpchat.tui.widgets import (
     ChatMessage,
     RanksPanel,
     RingPanel,
+    StatusStrip,
     ThroughputPanel,
     Transcript,
     WorkBar,
 )
 
 ALGORITHMS = ("auto", "pass_kv", "pass_q")
+NARROW_BELOW = 110  # columns: the side panels take 48, the conversation keeps at least 62
 WORK_LABELS = {"download": "Downloading model, MiB", "connect": "Starting ranks",
                "load": "Loading model on ranks", "prefill": "Prefill, tokens"}
 
@@ -74,7 +77,12 @@ class ChatScreen(Screen):
         Binding("ctrl+o", "attach_file", "Attach"),
         Binding("ctrl+l", "clear", "Clear"),
         Binding("ctrl+r", "relaunch", "Relaunch ranks"),
+        Binding("ctrl+b", "toggle_panels", "Panels"),
     ]
+    # Below this width the side panels collapse to the status strip (unless Ctrl+B shows them).
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (NARROW_BELOW, "-wide")]
+
+    panels: var[str] = var("auto")  # "auto" | "shown" | "hidden" (cpchat.tui.prefs)
 
     busy: reactive[bool] = reactive(False)
     failed: reactive[bool] = reactive(False)
@@ -115,6 +123,8 @@ class ChatScreen(Screen):
         self._preparing = False
         self._prefill_expected: float | None = None
         self._ring_steps: dict[int, RankStats] = {}
+        self.prefs_path = self.store.directory.parent / "tui.json"
+        self.set_reactive(ChatScreen.panels, load_panels(self.prefs_path))
 
     # ---- layout
 
@@ -123,6 +133,7 @@ class ChatScreen(Screen):
         with Horizontal(id="body"):
             with Vertical(id="main"):
                 yield Transcript(id="transcript")
+                yield StatusStrip(id="strip")
                 yield WorkBar(id="work")
                 yield AttachmentBar(id="attachments")
                 yield ChatInput(id="prompt", placeholder="Ask about your documents…  (drop files to attach)")
@@ -132,7 +143,20 @@ class ChatScreen(Screen):
                 yield ThroughputPanel(id="throughput")
         yield Footer()
 
+    def watch_panels(self, panels: str) -> None:
+        self.set_class(panels == "shown", "-panels-shown")
+        self.set_class(panels == "hidden", "-panels-hidden")
+
+    def action_toggle_panels(self) -> None:
+        """Show the panels if they are collapsed here, collapse them if shown; remembered."""
+        self.panels = "hidden" if self.query_one("#side").display else "shown"
+        try:
+            save_panels(self.prefs_path, self.panels)
+        except OSError as e:
+            self.notify(f"could not remember the panels' choice: {e.strerror}", severity="warning")
+
     def on_mount(self) -> None:
+        self.watch_panels(self.panels)
         self.query_one(RingPanel).mode = self.settings.algorithm
         self.query_one(WorkBar).hide()
         self.query_one(ChatInput).focus()

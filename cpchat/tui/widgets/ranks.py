@@ -57,6 +57,8 @@ class RankRow(Widget):
 class RanksPanel(VerticalGroup):
     """Keeps a RankRow per rank in ring order; fed with RankStats by the app."""
 
+    largest: reactive[tuple[int, int, int]] = reactive((0, 0, 0))  # ranks, the most KV tokens and bytes
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.border_title = "Ranks"
@@ -90,6 +92,8 @@ class RanksPanel(VerticalGroup):
         largest = max((r.stats.kv_bytes for r in self.rows.values()), default=0)
         for row in self.rows.values():
             row.largest_kv = largest
+        tokens = max((r.stats.kv_tokens for r in self.rows.values()), default=0)
+        self.largest = (len(self.rows), tokens, largest)
 
     @property
     def total_kv_tokens(self) -> int:

@@ -29,6 +29,13 @@ GLYPHS = {
     " ": ("   ", "   ", "   "),
 }
 CHART_WIDTH = 16
+# The algorithm in words, for screen readers, copies and logs of the screen (the letters are glyphs).
+ALGORITHM_NAMES = {"pass_kv": "pass-KV", "pass_q": "pass-Q", "auto": "auto"}
+ALGORITHM_WORDS = {
+    "pass_kv": "keys and values travel the ring",
+    "pass_q": "queries travel the ring",
+    "auto": "chosen per turn from the prompt",
+}
 
 
 class BigText(Widget):
@@ -85,6 +92,7 @@ class RingPanel(VerticalGroup):
 
     mode: reactive[str] = reactive("auto")
     choice: reactive[AlgorithmChoice | None] = reactive(None)
+    shown: reactive[str] = reactive("auto")  # the algorithm the panel names
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -92,6 +100,7 @@ class RingPanel(VerticalGroup):
 
     def compose(self) -> ComposeResult:
         yield BigText(id="ring-algorithm")
+        yield Static(id="ring-words")
         yield Static(id="ring-reason")
         yield RingChart(id="ring-chart")
 
@@ -116,8 +125,12 @@ class RingPanel(VerticalGroup):
         if not self.children:  # not composed yet; on_mount comes back
             return
         choice = self.choice
-        big = choice.algorithm if choice else (self.mode if self.mode != "auto" else "auto")
+        big = choice.algorithm if choice else self.mode
         self.query_one(BigText).text = big
+        self.shown = big
+        words = Text(f"{ALGORITHM_NAMES.get(big, big)}: ", style="bold")
+        words.append(ALGORITHM_WORDS.get(big, ""))
+        self.query_one("#ring-words", Static).update(words)
         self.border_subtitle = f"mode {self.mode}"
         reason = Text()
         if choice is None:
