@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
-import stat
 import sys
-from pathlib import Path
 
-from cpchat import __version__, blas
-
-EXIT_OK, EXIT_USAGE, EXIT_BACKEND = 0, 2, 3
+from cpchat import EXIT_OK, EXIT_USAGE, __version__, blas
+from cpchat.client.cluster import BadInput
+from cpchat.client.connect import ClusterOptions, read_bytes, read_token
 
 
 def app_parser() -> argparse.ArgumentParser:
@@ -40,7 +38,12 @@ def app_parser() -> argparse.ArgumentParser:
     p.add_argument("--doc", action="append", default=[], metavar="FILE", help="document for the first turn")
     p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
     p.add_argument("--json", action="store_true", help="headless output as JSON lines")
-    p.add_argument("--resume", action="store_true", help="reopen the last saved transcript (TUI)")
+    p.add_argument("--progress", action="store_true",
+                   help="headless plain output: report prefill progress on stderr")
+    p.add_argument("--resume", nargs="?", const="last", default=None, metavar="ID",
+                   help="reopen a saved conversation (TUI): the last one, or ID from --list (a unique "
+                        "prefix will do)")
+    p.add_argument("--list", action="store_true", help="list the saved conversations, newest first, and exit")
     p.add_argument("--print-config", action="store_true", help="show the settings and where each came from")
     p.add_argument("--list-architectures", action="store_true", help="which model families work, and why not")
     return p
@@ -63,28 +66,6 @@ def rank_parser() -> argparse.ArgumentParser:
 
 class UsageError(Exception):
     pass
-
-
-def read_token(path: str) -> str:
-    try:
-        mode = os.stat(path).st_mode
-        token = Path(path).read_text(encoding="utf-8").strip()
-    except OSError as e:
-        raise UsageError(f"cannot read token file {path}: {e.strerror}") from None
-    if not token:
-        raise UsageError(f"token file {path} is empty")
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        print(f"cpchat: warning: token file {path} is readable by others (chmod 600 it)", file=sys.stderr)
-    return token
-
-
-def read_bytes(path: str | None, what: str) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise UsageError(f"cannot read {what} {path}: {e.strerror}") from None
 
 
 def is_loopback(host: str) -> bool:
@@ -126,13 +107,17 @@ def run_rank(argv: list[str]) -> int:
             tls_ca=read_bytes(args.tls_ca, "CA certificate"),
             parent_pid=args.parent_pid,
         )
-    except (UsageError, blas.BlasUnavailable) as e:
+    except (UsageError, BadInput, blas.BlasUnavailable) as e:
         print(f"cpchat rank: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (OSError, RuntimeError) as e:
         print(f"cpchat rank: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return EXIT_USAGE
     return EXIT_OK
+
+
+def cluster_options(args: argparse.Namespace) -> ClusterOptions:
+    return ClusterOptions(args.attach, args.hostfile, args.token_file, args.tls_ca)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         from cpchat.rank.catalogue import print_architectures
 
         return print_architectures()
+    if args.list:
+        from cpchat.client.settings import data_dir
+        from cpchat.tui.store import print_conversations
+
+        return print_conversations(data_dir() / "transcripts")
     if args.print_config:
         from cpchat.tui.config import print_config
 
@@ -155,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.headless:
         from cpchat.headless import run_headless
 
-        return run_headless(args)
+        return run_headless(args, cluster_options(args))
     from cpchat.tui.app import run_app
 
-    return run_app(args)
+    return run_app(args, cluster_options(args))
 
 
 def entry() -> None:

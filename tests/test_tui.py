@@ -23,7 +23,7 @@ from cpchat.client.settings import Settings
 from cpchat.smallmodels import write_model
 from cpchat.tui.app import CpchatApp
 from cpchat.tui.chat import ChatScreen
-from cpchat.tui.screens import AttachmentsScreen, ContextBudget, HelpScreen
+from cpchat.tui.screens import AttachmentsScreen, ContextBudget, ConversationsScreen, HelpScreen
 from cpchat.tui.store import TranscriptStore
 from cpchat.tui.widgets import (
     AttachmentChip,
@@ -472,14 +472,53 @@ async def test_transcript_resumes(make_app):
         await ready(pilot)
         await send(pilot, "Remember Orion.")
     app.chat.store.flush()
-    again = make_app(resume=True)
+    again = make_app(resume=app.chat.store.path)
     async with again.run_test(size=SIZE) as pilot:
         await ready(pilot)
         shown = [m.role for m in again.query(ChatMessage)]
         assert shown == ["user", "assistant"]
-        assert [m.content for m in again.chat.session.messages] == [e.content for e in app.chat.entries]
+        resumed = again.chat.session.messages
+        assert [m.content for m in resumed] == [e.content for e in app.chat.entries]
+        notes = again._notifications
+        await until(pilot, lambda: any("the next turn re-reads it" in n.message for n in notes),
+                    what="the cost of re-reading")
         await send(pilot, "And then?")  # re-prefills the resumed conversation
         assert len(again.chat.session.messages) == 4
+        assert again.chat.session.last_choice.cached_tokens == 0  # nothing of it was held
+
+
+async def test_conversation_list_opens_renames_and_deletes(make_app, tmp_path):
+    """Two conversations, then the palette's list: rename the first, delete the second, open the first."""
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "About Orion.")
+        first = app.chat.store.path
+        await run_palette(pilot, "Clear conversation")
+        await until(pilot, lambda: not app.chat.entries, what="the clear")
+        await send(pilot, "About Lyra.")
+        second = app.chat.store.path
+        assert first != second and first.exists()
+        await run_palette(pilot, "Conversations")
+        screen = app.screen
+        assert isinstance(screen, ConversationsScreen)
+        assert [s.path for s in screen.summaries] == [second, first]  # newest first
+        assert screen.summaries[1].model == app.chat.model.name and screen.summaries[1].tokens > 0
+        await pilot.press("d")  # the open one is refused
+        await pilot.pause()
+        assert second.exists() and len(screen.summaries) == 2
+        await pilot.press("down", "r", *"Orion notes", "enter")
+        await pilot.pause()
+        assert screen.summaries[1].title == "Orion notes"
+        await pilot.press("enter")  # the renamed one stays highlighted
+        await until(pilot, lambda: app.chat.store.path == first, what="the first conversation")
+        assert [m.source for m in assistant_messages(app)] == [app.chat.entries[1].text]
+        assert app.chat.entries[0].text == "About Orion."
+        assert [m.content for m in app.chat.session.messages] == [e.content for e in app.chat.entries]
+        await run_palette(pilot, "Conversations")
+        await pilot.press("d")  # the second is not open now
+        await pilot.pause()
+        assert not second.exists() and [s.path for s in app.screen.summaries] == [first]
 
 
 def test_print_config_and_startup_failure(capsys, monkeypatch):

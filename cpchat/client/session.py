@@ -124,6 +124,19 @@ class Session:
         """Whether the prompt leaves room for at least one answer token in the model's context."""
         return not self.context_limit or len(turn.tokens) < self.context_limit
 
+    def history_cost(self) -> tuple[int, float | None]:
+        """Tokens of the conversation so far, and seconds to prefill what the ranks do not hold."""
+        if self.raw:
+            tokens = list(self.raw_history)
+        else:
+            chat = [{"role": m.role, "content": m.content} for m in self.messages]
+            tokens = list(self.tokenizer.apply_chat_template(chat)) if chat else []
+        cost = self.cluster.prefill_cost
+        if not tokens or cost is None or not cost.per_token_s:
+            return len(tokens), None
+        keep = min(common_prefix(self.held, tokens), len(tokens))
+        return len(tokens), cost.seconds(len(tokens) - keep, keep, self.cluster.size)
+
     def new_tokens(self, turn: Turn) -> int:
         """The prompt tokens the ranks do not hold yet: what its prefill computes."""
         return len(turn.tokens) - self._kept(turn.tokens)

@@ -17,9 +17,10 @@ from textual.screen import Screen
 from cpchat import EXIT_USAGE
 from cpchat.client.cluster import BadInput, Cluster
 from cpchat.client.connect import ClusterOptions
-from cpchat.client.settings import Settings, resolve_model, resolve_settings
+from cpchat.client.settings import Settings, data_dir, resolve_model, resolve_settings
 from cpchat.tui.chat import ChatScreen
 from cpchat.tui.screens import HelpScreen
+from cpchat.tui.store import AmbiguousConversation, UnknownConversation, resume_path
 
 
 class CpchatApp(App[int]):
@@ -37,7 +38,7 @@ class CpchatApp(App[int]):
         *,
         cluster: Cluster | None = None,
         model_path: str | None = None,
-        resume: bool = False,
+        resume: Path | None = None,
         start_backend: bool = True,
         transcripts: Path | None = None,
     ) -> None:
@@ -76,10 +77,14 @@ def run_app(args: argparse.Namespace, options: ClusterOptions) -> int:
     try:
         settings = resolve_settings(args)
         resolve_model(settings.model)  # a bad model path fails before the screen opens
-    except BadInput as e:
+        resume = resume_path(data_dir() / "transcripts", args.resume) if args.resume else None
+    except (BadInput, UnknownConversation, AmbiguousConversation) as e:
         print(f"cpchat: {e}", file=sys.stderr)
         return EXIT_USAGE
-    app = CpchatApp(settings, options, resume=args.resume)
+    if args.resume and resume is None:
+        print(f"cpchat: no saved conversation to resume in {data_dir() / 'transcripts'}", file=sys.stderr)
+        return EXIT_USAGE
+    app = CpchatApp(settings, options, resume=resume)
     code = app.run()
     if app.exit_message:
         print(f"cpchat: {app.exit_message}", file=sys.stderr)

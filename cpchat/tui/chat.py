@@ -30,11 +30,13 @@ from cpchat.client.hub import front_end_copy
 from cpchat.client.session import Message as SessionMessage
 from cpchat.client.session import SamplingOptions, Session, Turn, load_tokenizer
 from cpchat.client.settings import Settings, data_dir, resolve_model
+from cpchat.core.estimate import human_duration
 from cpchat.tui.messages import (
     BackendFailed,
     BackendReady,
     ConversationCleared,
     DocumentRead,
+    ModelSwitched,
     Notice,
     PrefillDone,
     RankInfo,
@@ -46,7 +48,7 @@ from cpchat.tui.messages import (
 )
 from cpchat.tui.paths import split_paste
 from cpchat.tui.prefs import load_panels, save_panels
-from cpchat.tui.screens import AttachmentsScreen, ContextBudget, FilePicker
+from cpchat.tui.screens import AttachmentsScreen, ContextBudget, ConversationsScreen, FilePicker, ModelPrompt
 from cpchat.tui.store import Entry, TranscriptStore
 from cpchat.tui.widgets import (
     AttachmentBar,
@@ -69,8 +71,8 @@ WORK_LABELS = {"download": "Downloading model, MiB", "connect": "Starting ranks"
 
 class ChatScreen(Screen):
     """`cluster`/`model_path` inject a running, loaded cluster (tests); otherwise the screen
-    launches or attaches its own from `options`. `start_backend=False` leaves the backend
-    out entirely, for snapshots that post messages themselves."""
+    launches or attaches its own from `options`. `resume` is a saved conversation to go on with.
+    `start_backend=False` leaves the backend out entirely, for snapshots that post messages themselves."""
 
     BINDINGS = [
         Binding("escape", "stop", "Stop", show=True),
@@ -94,7 +96,7 @@ class ChatScreen(Screen):
         *,
         cluster: Cluster | None = None,
         model_path: str | None = None,
-        resume: bool = False,
+        resume: Path | None = None,
         start_backend: bool = True,
         transcripts: Path | None = None,
     ) -> None:
@@ -160,8 +162,8 @@ class ChatScreen(Screen):
         self.query_one(RingPanel).mode = self.settings.algorithm
         self.query_one(WorkBar).hide()
         self.query_one(ChatInput).focus()
-        if self.resume:
-            self._resume_last()
+        if self.resume is not None:
+            self.open_conversation(self.resume)
         if self.start_backend:
             self.app.sub_title = "starting…"
             self.start_cluster()
@@ -213,6 +215,7 @@ class ChatScreen(Screen):
 
     async def on_backend_ready(self, message: BackendReady) -> None:
         self.model = message.model
+        self.store.set_model(message.model.name)
         self.failed = False
         self._failed_ranks.clear()
         self.query_one(WorkBar).hide()
@@ -228,7 +231,7 @@ class ChatScreen(Screen):
             self.notify(message.blas_warning[0].upper() + message.blas_warning[1:], title="Slow BLAS",
                         severity="warning", timeout=30)
         if self.cluster is not None and self.tokenizer is not None:
-            if self.session is None:
+            if self.session is None or self.session.tokenizer is not self.tokenizer:  # new or switched model
                 s = self.settings
                 sampling = SamplingOptions(s.max_tokens, s.temp, s.top_p, s.seed)
                 self.session = Session(self.cluster, self.tokenizer, algorithm=s.algorithm, sampling=sampling)
@@ -430,6 +433,7 @@ class ChatScreen(Screen):
                 elif isinstance(event, Prefill):
                     self.post_message(PrefillDone(event, session.last_choice))
                 elif isinstance(event, Done):
+                    self.store.usage(event.prompt_tokens, event.generated_tokens)
                     self.post_message(TurnFinished(done=event, cancelled=self._cancelled))
         except (BackendError, BadInput) as e:
             self.post_message(TurnFinished(error=str(e), cancelled=self._cancelled))
@@ -604,10 +608,17 @@ class ChatScreen(Screen):
                 return True
             self.attach_paths([Path(i).expanduser() for i in items])
             return True
-        actions = {"/clear": self.action_clear, "/help": self.app.action_help, "/export": self.action_export,
+        actions = {"/conversations": self.action_conversations, "/clear": self.action_clear,
+                   "/help": self.app.action_help, "/export": self.action_export,
                    "/relaunch": self.action_relaunch}
         if command in actions:
             actions[command]()
+            return True
+        if command == "/model":
+            if rest.strip():
+                self.action_switch_model(rest.strip())
+            else:
+                self.notify(f"Model: {self.model_path or '—'}. Usage: /model PATH_OR_ID", timeout=8)
             return True
         if command == "/algorithm" and rest.strip() in ALGORITHMS:
             self.set_algorithm(rest.strip())
@@ -635,6 +646,10 @@ class ChatScreen(Screen):
             yield SystemCommand(f"Algorithm: {algorithm}", f"Use {algorithm} for the ring from the next turn",
                                 lambda a=algorithm: self.set_algorithm(a))
         yield SystemCommand("Export transcript", "Save the conversation as Markdown", self.action_export)
+        yield SystemCommand("Conversations", "Open, rename or delete a saved conversation",
+                            self.action_conversations)
+        yield SystemCommand("Switch model", "Load another model on every rank; the conversation stays",
+                            self.action_switch_model)
         yield SystemCommand("Relaunch ranks", "Start fresh local ranks and re-read the conversation",
                             self.action_relaunch)
 
@@ -692,6 +707,52 @@ class ChatScreen(Screen):
         self.notify(f"Transcript exported to {path}", timeout=8)
         return path
 
+    def action_switch_model(self, model: str | None = None) -> None:
+        """Load another model on every rank (asking which when not given); the transcript stays."""
+        if self.busy or self.cluster is None or self.cluster.model is None:
+            self.notify("Wait for the ranks to be ready and the answer to end.", severity="warning")
+            return
+        if model is None:
+            current = self.cluster.model.name
+            self.app.push_screen(ModelPrompt(current), lambda m: m and self.action_switch_model(m))
+            return
+        self.busy = True
+        self.switch_model(model)
+
+    @work(thread=True, group="backend", exclusive=True, exit_on_error=False)
+    def switch_model(self, model: str) -> None:
+        """Every rank loads `model` from its own disk; on failure they go back to the old one. The
+        next turn re-reads the conversation with the new model."""
+        cluster, old = self.cluster, self.model_path
+        assert cluster is not None and old is not None
+        loading = False
+        try:
+            model_path, _ = resolve_model(model)
+            tokenizer_dir = front_end_copy(model_path, whole_model=not self.options.attached,
+                                           progress=self._download_progress)
+            self._post_rank_states(cluster, "loading")
+            loading = True
+            cluster.load(model_path, on_progress=self._load_progress)
+            tokenizer = load_tokenizer(tokenizer_dir or model_path)
+        except (BadInput, BackendError) as e:
+            self.post_message(Notice(f"could not switch to {model}: {e}", "error"))
+            try:
+                if loading:  # some ranks may have the new model: all go back
+                    cluster.load(old, on_progress=self._load_progress)
+                self.post_message(self._ready_message())
+            except (BadInput, BackendError) as again:
+                self.post_message(BackendFailed(f"the ranks could not go back to {old}: {again}"))
+            self.post_message(ModelSwitched(None))
+            return
+        self.model_path, self.tokenizer_dir, self.tokenizer = model_path, tokenizer_dir, tokenizer
+        self.post_message(self._ready_message())
+        self.post_message(ModelSwitched(model))
+
+    def on_model_switched(self, message: ModelSwitched) -> None:
+        self.busy = False
+        if message.model is not None:
+            self.notify(f"Switched to {message.model}; the next turn re-reads the conversation.")
+
     def action_relaunch(self) -> None:
         if self.busy:
             self.notify("Stop the answer first (Esc).", severity="warning")
@@ -703,18 +764,44 @@ class ChatScreen(Screen):
         self.query_one(RanksPanel).mark("starting")
         self.relaunch()
 
-    # ---- resume
+    # ---- conversations
 
-    def _resume_last(self) -> None:
-        last = TranscriptStore.last(self.store.directory)
-        if last is None:
-            self.notify("No saved transcript to resume.", severity="warning")
+    def action_conversations(self) -> None:
+        if self.busy:
+            self.notify("Stop the answer first (Esc).", severity="warning")
             return
-        self.entries = TranscriptStore.load(last)
-        self.store.path = last
+        self.app.push_screen(ConversationsScreen(self.store.directory, self.store.path),
+                             lambda path: path and self.open_conversation(path))
+
+    @work(group="conversation", exclusive=True, exit_on_error=False)
+    async def open_conversation(self, path: Path) -> None:
+        """Show a saved conversation and go on with it: the next turn re-reads it on the ranks."""
+        try:
+            entries = TranscriptStore.load(path)
+        except OSError as e:
+            self.notify(f"cannot open {path.name}: {e.strerror}", severity="error")
+            return
         transcript = self.query_one(Transcript)
-        transcript.mount_all(ChatMessage(e.role, e.text or "*(documents only)*", e.docs)
-                             for e in self.entries)
-        self.notify(f"Resumed {last.name} ({len(self.entries)} messages).")
+        await transcript.remove_children()
+        await transcript.mount_all(ChatMessage(e.role, e.text or "*(documents only)*", e.docs)
+                                   for e in entries)
+        self.entries = entries
+        self.store.path = path
+        if self.model is not None:
+            self.store.set_model(self.model.name)
+        if self.session is not None and self.cluster is not None:
+            self.session.messages = [SessionMessage(e.role, e.content, e.docs) for e in entries]
+            self.session.attach(self.cluster)
+            self.announce_history_cost(path.stem)
+        else:
+            self.notify(f"Opened {path.stem} ({len(entries)} messages).")
 
-
+    @work(thread=True, group="prepare", exit_on_error=False)
+    def announce_history_cost(self, name: str) -> None:
+        """What re-reading an opened conversation will cost, said before the next turn pays it."""
+        session = self.session
+        assert session is not None
+        tokens, seconds = session.history_cost()
+        cost = f", about {human_duration(seconds)}" if seconds is not None and seconds >= 2 else ""
+        self.post_message(Notice(f"Opened {name} ({len(self.entries)} messages, {tokens:,} tokens): the next "
+                                 f"turn re-reads it on the ranks{cost}.", timeout=10))

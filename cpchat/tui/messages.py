@@ -106,3 +106,11 @@ class Notice(Message):
 
 class ConversationCleared(Message):
     """The ranks dropped their KV; the transcript can be emptied."""
+
+
+class ModelSwitched(Message):
+    """The ranks run `model` now (None: the switch failed and they kept the old one)."""
+
+    def __init__(self, model: str | None) -> None:
+        super().__init__()
+        self.model = model
