@@ -521,6 +521,35 @@ async def test_conversation_list_opens_renames_and_deletes(make_app, tmp_path):
         assert not second.exists() and [s.path for s in app.screen.summaries] == [first]
 
 
+async def test_model_switch_reloads_every_rank_and_keeps_the_conversation(make_app, clusters, model_dir):
+    app = make_app()
+    other = model_dir("qwen3")
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "First question")
+            chat, notes = app.chat, app._notifications
+            app.query_one(ChatInput).load_text("/model")
+            await pilot.press("enter")
+            assert any(n.message.startswith(f"Model: {chat.model_path}. Usage: /model") for n in notes)
+            app.query_one(ChatInput).load_text("/model /no/such/model")
+            await pilot.press("enter")
+            await until(pilot, lambda: any("could not switch to /no/such/model" in n.message for n in notes),
+                        what="the refusal")
+            await until(pilot, lambda: not chat.busy, what="the ranks ready again")
+            assert chat.cluster.model.model_type == "llama"
+            app.query_one(ChatInput).load_text(f"/model {other}")
+            await pilot.press("enter")
+            await until(pilot, lambda: chat.cluster.model.model_type == "qwen3" and not chat.busy,
+                        timeout=90, what="the switch")
+            assert "qwen3" in app.sub_title and len(app.query(ChatMessage)) == 2
+            await send(pilot, "Second question")  # the new model re-reads the first turn
+            assert len(chat.session.messages) == 4 and chat.session.tokenizer is chat.tokenizer
+            assert chat.session.last_choice.cached_tokens == 0
+    finally:
+        clusters.loaded.pop(RANKS, None)  # the ranks hold qwen3 now
+
+
 def test_print_config_and_startup_failure(capsys, monkeypatch):
     monkeypatch.setenv("CPCHAT_MAX_TOKENS", "77")
     assert main(["--print-config", "--ranks", "3"]) == 0
