@@ -1,8 +1,9 @@
 """Render the README screenshot: the real app, real local ranks, a document attached, a question answered.
 
-    python -m cpchat.tui.screenshot [--model DIR] [--out assets/screenshot]
+    python -m cpchat.tui.screenshot [--model DIR] [--out assets/screenshot] [--size 100x30] [--panels]
 
-Writes OUT.svg (app.save_screenshot) and OUT.png (via rsvg-convert, when installed).
+Writes OUT.svg (app.save_screenshot) and OUT.png (via rsvg-convert or cairosvg, when installed).
+`--panels` presses Ctrl+B first (on a narrow terminal: shows the side panels).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from cpchat.tui.app import CpchatApp
 from cpchat.tui.widgets import AttachmentChip, ChatInput, RanksPanel
 
 
-async def capture(model: str, out: Path, document: Path, question: str) -> None:
+async def capture(model: str, out: Path, document: Path, question: str, size: tuple[int, int],
+                  panels: bool) -> None:
     from textual import events
 
     model_path, _ = resolve_model(model)
     app = CpchatApp(Settings(model=model, max_tokens=400, seed=7))
-    async with app.run_test(size=(150, 46)) as pilot:
+    async with app.run_test(size=size) as pilot:
         async def until(condition, timeout: float = 120.0) -> None:
             deadline = time.monotonic() + timeout
             while not condition():
@@ -33,6 +35,8 @@ async def capture(model: str, out: Path, document: Path, question: str) -> None:
                 await pilot.pause(0.05)
 
         await until(lambda: app.chat.session is not None)
+        if panels:
+            await pilot.press("ctrl+b")
         app.query_one(ChatInput).focus()
         app.post_message(events.Paste(f"'{document}'"))
         await until(lambda: any(c.tokens for c in app.query(AttachmentChip)))
@@ -44,8 +48,15 @@ async def capture(model: str, out: Path, document: Path, question: str) -> None:
         await pilot.pause()
         app.query_one(ChatInput).cursor_blink = False
         svg = app.save_screenshot(filename=out.with_suffix(".svg").name, path=str(out.parent))
+    png = str(out.with_suffix(".png"))
     if shutil.which("rsvg-convert"):
-        subprocess.run(["rsvg-convert", "-z", "0.8", svg, "-o", str(out.with_suffix(".png"))], check=True)
+        subprocess.run(["rsvg-convert", "-z", "0.8", svg, "-o", png], check=True)
+    else:
+        try:
+            import cairosvg
+        except ImportError:
+            return
+        cairosvg.svg2png(url=svg, write_to=png, scale=0.8)
 
 
 def main() -> None:
@@ -54,8 +65,11 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=REPO_ASSETS / "screenshot")
     p.add_argument("--doc", type=Path, default=bundled("sample-doc.txt"))
     p.add_argument("--question", default="What is the access code for the Orion vault?")
+    p.add_argument("--size", default="100x30", help="terminal columns x rows")
+    p.add_argument("--panels", action="store_true", help="press Ctrl+B first")
     args = p.parse_args()
-    asyncio.run(capture(args.model, args.out, args.doc.resolve(), args.question))
+    size = tuple(int(n) for n in args.size.split("x"))
+    asyncio.run(capture(args.model, args.out, args.doc.resolve(), args.question, size, args.panels))
 
 
 if __name__ == "__main__":
