@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return print_architectures()
     if args.list:
         from cpchat.client.settings import data_dir
-        from cpchat.tui.store import print_conversations
+        from cpchat.tui.conversations import print_conversations
 
         return print_conversations(data_dir() / "transcripts")
     if args.print_config:

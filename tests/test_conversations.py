@@ -15,13 +15,10 @@ from pathlib import Path
 import pytest
 
 from cpchat.cli import app_parser, main
-from cpchat.tui.store import (
-    BIG_LINE,
+from cpchat.tui.conversations import (
     RESUME_LAST,
     AmbiguousConversation,
     ConversationSummary,
-    Entry,
-    TranscriptStore,
     UnknownConversation,
     delete_conversation,
     estimate_tokens,
@@ -30,6 +27,7 @@ from cpchat.tui.store import (
     rename_conversation,
     resume_path,
 )
+from cpchat.tui.store import BIG_LINE, Entry, TranscriptStore
 
 DAY = 86_400
 ROOT = Path(__file__).resolve().parents[1]

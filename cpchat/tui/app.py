@@ -19,8 +19,8 @@ from cpchat.client.cluster import BadInput, Cluster
 from cpchat.client.connect import ClusterOptions
 from cpchat.client.settings import Settings, data_dir, resolve_model, resolve_settings
 from cpchat.tui.chat import ChatScreen
+from cpchat.tui.conversations import AmbiguousConversation, UnknownConversation, resume_path
 from cpchat.tui.screens import HelpScreen
-from cpchat.tui.store import AmbiguousConversation, UnknownConversation, resume_path
 
 
 class CpchatApp(App[int]):

@@ -15,8 +15,13 @@ from textual.widgets.option_list import Option
 
 from cpchat import __version__
 from cpchat.client.documents import Document
+from cpchat.tui.conversations import (
+    ConversationSummary,
+    delete_conversation,
+    list_conversations,
+    rename_conversation,
+)
 from cpchat.tui.format import human_bytes, human_count
-from cpchat.tui.store import ConversationSummary, delete_conversation, list_conversations, rename_conversation
 
 HELP = f"""\
 # cpchat {__version__}

@@ -21,18 +21,11 @@ import os
 import queue
 import re
 import stat
-import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
-
-TITLE_WIDTH = 60
-RESUME_LAST = "last"  # what `--resume` with no ID stands for
-CHARS_PER_TOKEN = 4  # the estimate for conversations saved without counts: English prose in BPE
-TOKENS_PER_MESSAGE = 4  # chat-template markers around each message, for the same estimate
 
 
 @dataclass
@@ -63,7 +56,7 @@ class TranscriptStore:
     @staticmethod
     def last(directory: Path) -> Path | None:
         """The most recently changed transcript (ties: the greatest name)."""
-        times = _transcript_times(directory)
+        times = transcript_times(directory)
         return max(times, key=lambda p: (times[p], p.name)) if times else None
 
     def _append(self, record: dict) -> None:
@@ -88,7 +81,7 @@ class TranscriptStore:
                     by_path.setdefault(path, []).append(json.dumps(record, ensure_ascii=False) + "\n")
             for path, lines in by_path.items():
                 try:
-                    _append_lines(path, lines)
+                    append_lines(path, lines)
                 except OSError:
                     pass  # a full or read-only disk must not take the chat down
             for _ in batch:
@@ -137,10 +130,10 @@ class TranscriptStore:
             raw = path.read_bytes()
         except OSError:
             return []
-        return _scan(_records(raw)).entries
+        return scan_records(read_records(raw)).entries
 
 
-def _transcript_times(directory: Path) -> dict[Path, float]:
+def transcript_times(directory: Path) -> dict[Path, float]:
     """Each transcript file's mtime; folders, and files removed while looking, left out."""
     times: dict[Path, float] = {}
     try:
@@ -157,7 +150,7 @@ def _transcript_times(directory: Path) -> dict[Path, float]:
     return times
 
 
-def _append_lines(path: Path, lines: list[str]) -> None:
+def append_lines(path: Path, lines: list[str]) -> None:
     """Append and fsync; a last line torn by a crash is ended first, so that it does not swallow
     the first line written after it (a resumed conversation would lose that message)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -181,7 +174,7 @@ _DOCS = b', "docs": '
 _DELTA = b'{"role": "assistant", "delta": "'
 
 
-def _records(raw: bytes, quick: bool = False) -> Iterator[dict]:
+def read_records(raw: bytes, quick: bool = False) -> Iterator[dict]:
     """The file's records, one a line; lines that do not parse (torn by a crash) are skipped.
 
     Only "\n" ends a line: json.dumps leaves U+2028, U+0085 and the like unescaped inside strings,
@@ -239,7 +232,7 @@ def _big_message(raw: bytes, start: int, end: int) -> dict | None:
 
 
 @dataclass
-class _Scan:
+class TranscriptScan:
     """What one transcript file says: its messages and what the meta and usage lines add."""
 
     entries: list[Entry] = field(default_factory=list)
@@ -251,8 +244,8 @@ class _Scan:
     records: int = 0  # lines that parsed as records of any kind
 
 
-def _scan(records: Iterable[dict]) -> _Scan:
-    scan = _Scan()
+def scan_records(records: Iterable[dict]) -> TranscriptScan:
+    scan = TranscriptScan()
     messages: list[list] = []  # [entry, content length], the length of a streamed one completed at its end
     pieces: list[str] | None = None  # the answer streaming into messages[-1]
     usage_at = 0  # len(messages) when the last counts were recorded
@@ -301,173 +294,9 @@ def _scan(records: Iterable[dict]) -> _Scan:
     return scan
 
 
-# ---- saved conversations
-
-
-class UnknownConversation(ValueError):
-    """No saved conversation has this id (or an id starting with it)."""
-
-    def __init__(self, id: str, directory: Path) -> None:
-        super().__init__(f"no saved conversation {id!r} in {directory} (`cpchat --list` shows them)")
-        self.id = id
-
-
-class AmbiguousConversation(ValueError):
-    """More than one saved conversation has an id starting with what was typed."""
-
-    def __init__(self, id: str, candidates: list[str]) -> None:
-        more = f" and {len(candidates) - 5} more" if len(candidates) > 5 else ""
-        shown = ", ".join(candidates[:5]) + more
-        super().__init__(f"{id!r} could be any of {len(candidates)} conversations: {shown}; "
-                         "type more of the id")
-        self.id, self.candidates = id, candidates
-
-
-@dataclass(frozen=True)
-class ConversationSummary:
-    """One saved conversation as a list shows it; `id` is the file's stem, typed to --resume."""
-
-    id: str
-    path: Path
-    title: str
-    updated: datetime
-    model: str  # "" where the file predates recording it
-    messages: int
-    tokens: int
-    tokens_estimated: bool  # True: from the text's length, not the ranks' count
-    error: str = ""  # why the file could not be read; "" when it could
-
-
 def one_line(text: str, width: int | None = None) -> str:
     """Whitespace collapsed to single spaces; cut to `width` characters with an ellipsis."""
     text = " ".join(text.split())
     if width is not None and len(text) > width:
         text = text[: width - 1].rstrip() + "…"
     return text
-
-
-def estimate_tokens(sizes: list[int]) -> int:
-    """A rough token count for messages of these lengths saved without the ranks' count."""
-    return sum(-(-size // CHARS_PER_TOKEN) + TOKENS_PER_MESSAGE for size in sizes)
-
-
-def _first_title(entries: list[Entry]) -> str:
-    first = next((e for e in entries if e.role == "user"), None)
-    if first is None:
-        return "(empty)"
-    if first.text.strip():
-        return one_line(first.text, TITLE_WIDTH)
-    if first.docs:
-        return one_line(f"(documents only: {', '.join(first.docs)})", TITLE_WIDTH)
-    return "(documents only)"
-
-
-def summarize(path: Path) -> ConversationSummary:
-    """The summary of one transcript file; a file that cannot be read comes back with `error` set.
-    Raises OSError only when the file cannot even be stat'ed (e.g. deleted meanwhile)."""
-    updated = datetime.fromtimestamp(path.stat().st_mtime).astimezone()
-
-    def unreadable(why: str) -> ConversationSummary:
-        title = f"(unreadable: {why})"
-        return ConversationSummary(path.stem, path, title, updated, "", 0, 0, False, error=why)
-
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        return unreadable(str(e.strerror or e))
-    scan = _scan(_records(raw, quick=True))
-    if not scan.records and raw.strip():
-        return unreadable("no cpchat records")
-    if scan.tokens is None:
-        tokens, estimated = estimate_tokens(scan.sizes), bool(scan.entries)
-    else:
-        rest = scan.sizes[len(scan.sizes) - scan.after_usage:]
-        tokens, estimated = scan.tokens + estimate_tokens(rest), bool(rest)
-    return ConversationSummary(path.stem, path, scan.title or _first_title(scan.entries), updated, scan.model,
-                               len(scan.entries), tokens, estimated)
-
-
-def list_conversations(directory: Path) -> list[ConversationSummary]:
-    """Every saved conversation, newest first (in the order `--resume` with no ID picks from)."""
-    summaries: list[ConversationSummary] = []
-    for path in _transcript_times(directory):
-        try:
-            summaries.append(summarize(path))
-        except OSError:
-            continue  # removed while listing
-    summaries.sort(key=lambda s: (s.updated, s.path.name), reverse=True)  # the order of `last`
-    return summaries
-
-
-def find_conversation(directory: Path, id: str) -> Path:
-    """The transcript whose id is `id`, or the only one whose id starts with it."""
-    id = id.strip()
-    ids = sorted(p.stem for p in _transcript_times(directory)) if id else []
-    if id in ids:
-        return directory / f"{id}.jsonl"
-    matches = [i for i in ids if i.startswith(id)]
-    if not matches:
-        raise UnknownConversation(id, directory)
-    if len(matches) > 1:
-        raise AmbiguousConversation(id, matches)
-    return directory / f"{matches[0]}.jsonl"
-
-
-def resume_path(directory: Path, resume: str) -> Path | None:
-    """The file `--resume [ID]` names: the newest for RESUME_LAST (None when there is none)."""
-    if resume == RESUME_LAST:
-        return TranscriptStore.last(directory)
-    return find_conversation(directory, resume)
-
-
-def rename_conversation(directory: Path, id: str, title: str) -> ConversationSummary:
-    """Show `title` for the conversation in lists ("" restores the first message's text). The title is
-    a meta line appended to the file, its messages untouched; the file's time is kept, so that renaming
-    does not make an old conversation the one `--resume` reopens."""
-    path = find_conversation(directory, id)
-    before = path.stat()
-    _append_lines(path, [json.dumps({"meta": {"title": one_line(title)}}, ensure_ascii=False) + "\n"])
-    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
-    return summarize(path)
-
-
-def delete_conversation(directory: Path, id: str) -> Path:
-    """Remove the conversation's file; returns the path removed."""
-    path = find_conversation(directory, id)
-    path.unlink()
-    return path
-
-
-# ---- `cpchat --list`
-
-
-def _model_label(model: str) -> str:
-    """As the app's title bar names it: a directory by its last part, a hub id by its name."""
-    return one_line(Path(model).name or model, 32) if model else "-"
-
-
-def format_conversations(summaries: list[ConversationSummary]) -> str:
-    """An aligned plain-text table, one conversation a line, in the order given; `~` marks estimates."""
-    rows = [("ID", "UPDATED", "MODEL", "TOKENS", "MSGS", "TITLE")]
-    for s in summaries:
-        tokens = ("~" if s.tokens_estimated else "") + f"{s.tokens:,}"
-        rows.append((s.id, s.updated.strftime("%Y-%m-%d %H:%M"), _model_label(s.model), tokens,
-                     str(s.messages), s.title))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = []
-    for r in rows:
-        cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].ljust(widths[2]),
-                 r[3].rjust(widths[3]), r[4].rjust(widths[4]), r[5]]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def print_conversations(directory: Path) -> int:
-    """`cpchat --list`: the table on stdout, or one line when there is nothing saved; exit status 0."""
-    summaries = list_conversations(directory)
-    try:
-        print(format_conversations(summaries) if summaries else f"no saved conversations in {directory}",
-              flush=True)
-    except BrokenPipeError:  # `cpchat --list | head`: the reader has all it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-    return 0
