@@ -70,8 +70,12 @@ def test_json_events_match_mlx_lm(model_dir):
     result = run(args + ["--prompt", prompt])
     assert result.returncode == 0, result.stderr
     evs = events(result.stdout)
-    assert [e["event"] for e in evs] == ["ready", "prefill"] + ["token"] * (len(evs) - 3) + ["done"]
-    ready, prefill, done = evs[0], evs[1], evs[-1]
+    names = [e["event"] for e in evs]
+    steps = names.count("progress")  # at least the one at the end of the prefill
+    tokens = len(evs) - 3 - steps
+    assert steps >= 1
+    assert names == ["ready"] + ["progress"] * steps + ["prefill"] + ["token"] * tokens + ["done"]
+    ready, prefill, done = evs[0], evs[1 + steps], evs[-1]
     assert [r["rank"] for r in ready["ranks"]] == [0, 1] and ready["version"] == cpchat.__version__
     assert all(r["address"].startswith("127.0.0.1:") for r in ready["ranks"])
     _, tokenizer = reference_model(path)
@@ -162,9 +166,10 @@ def test_prefill_progress_events_and_plain_progress_on_stderr(tmp_path):
     """A long prompt through 2 ranks reports its prefill: JSON `progress` events at most 4 a second,
     ending with every new token processed; plain mode says it on stderr only with --progress."""
     doc = tmp_path / "long.txt"
-    doc.write_text("\n\n".join(filler(40) * 6))
-    base = ["--headless", "--ranks", "2", "--max-tokens", "2", "--doc", str(doc)]
-    result = run(base + ["--json", "--prompt", "What is the access code for the Orion vault?"])
+    doc.write_text("\n\n".join(filler(40) * 3))
+    base = ["--headless", "--ranks", "2", "--max-tokens", "2"]
+    question = "What is the access code for the Orion vault?"
+    result = run(base + ["--json", "--doc", str(doc), "--prompt", question])
     assert result.returncode == 0, result.stderr
     evs = events(result.stdout)
     progress = [e for e in evs if e["event"] == "progress"]
@@ -173,13 +178,13 @@ def test_prefill_progress_events_and_plain_progress_on_stderr(tmp_path):
     assert progress and evs.index(progress[-1]) < evs.index(prefill)
     assert {e["total"] for e in progress} == {done["prompt_tokens"]}
     assert {e["cached"] for e in progress} == {prefill["cached_tokens"]}
-    assert progress[-1]["processed"] == prefill["new_tokens"] > 10_000
+    assert progress[-1]["processed"] == prefill["new_tokens"] > 5_000
     steps = [e["processed"] for e in progress]
     assert steps == sorted(steps) and all(s > 0 for s in steps)
     gaps = [b["ms"] - a["ms"] for a, b in zip(progress[:-2], progress[1:-1], strict=True)]
     assert all(gap >= 250 for gap in gaps), gaps  # a few a second; only the last comes sooner
-    for flags, shown in ((["--progress"], True), ([], False)):
-        result = run(base + flags + ["--prompt", "What is the access code for the Orion vault?"])
+    for flags, shown in ((["--progress", "--doc", str(doc)], True), ([], False)):
+        result = run(base + flags + ["--prompt", question])
         assert result.returncode == 0, result.stderr
         lines = [ln for ln in result.stderr.splitlines() if ln.startswith("cpchat: prefill ")]
         assert bool(lines) == shown and "prefill" not in result.stdout

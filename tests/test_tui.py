@@ -72,7 +72,7 @@ def make_app(clusters, model, tmp_path) -> Callable[..., CpchatApp]:
 
 async def ready(pilot: Pilot) -> CpchatApp:
     app = pilot.app
-    await until(pilot, lambda: app.chat.session is not None, what="the session")
+    await until(pilot, lambda: app.chat.backend.session is not None, what="the session")
     return app
 
 
@@ -135,14 +135,14 @@ async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
             what="every rank idle again with KV",
         )
         assert all(r.stats.kv_bytes > 0 for r in rows)
-        assert {r.stats.address for r in rows} == {h.address for h in app.chat.cluster.ranks}
-        assert [r.stats.blas for r in rows] == [h.blas_label for h in app.chat.cluster.ranks]
+        assert {r.stats.address for r in rows} == {h.address for h in app.chat.backend.cluster.ranks}
+        assert [r.stats.blas for r in rows] == [h.blas_label for h in app.chat.backend.cluster.ranks]
         assert rows[0].stats.blas and f"BLAS: {rows[0].stats.blas}" in str(rows[0].render())
         assert app.query_one(BigText).text in ("pass_kv", "pass_q")
         words = {"pass_kv": "pass-KV: keys and values travel the ring",
                  "pass_q": "pass-Q: queries travel the ring"}
         assert str(app.query_one("#ring-words", Static).render()) == words[app.query_one(BigText).text]
-        assert app.chat.session.last_choice.algorithm == app.query_one(BigText).text
+        assert app.chat.backend.session.last_choice.algorithm == app.query_one(BigText).text
         from cpchat.tui.widgets import ThroughputPanel
 
         panel = app.query_one(ThroughputPanel)
@@ -253,7 +253,7 @@ async def test_paste_of_paths_attaches_in_every_form(make_app, tmp_path):
         await paste(pilot, f"'{a}' '{b}'")
         await until(pilot, lambda: len(chips(app)) == 2)
         await send(pilot, "What is the code?")
-        user = app.chat.session.messages[0]
+        user = app.chat.backend.session.messages[0]
         assert user.docs == [a.name, b.name]
         assert f'<document name="{a.name}">' in user.content and "4812-KX" in user.content
         assert not chips(app)
@@ -312,7 +312,7 @@ async def test_dropped_pdf_and_folder_attach_with_format_pages_and_files(make_ap
         assert "1 file ignored by .gitignore" in listing
         await pilot.press("escape")
         await send(pilot, "What is the vault code?")
-        user = app.chat.session.messages[0]
+        user = app.chat.backend.session.messages[0]
         assert user.docs == ["site report.pdf", "notes"]
         assert "[page 2]\nThe vault code is 4812-KX." in user.content
         assert '<document name="notes/sub/b.txt">\nOrion.\n</document>' in user.content
@@ -386,11 +386,11 @@ async def test_a_prompt_past_the_context_asks_first(clusters, tmp_path_factory, 
         await pilot.click("#remove-0")
         chat = app.chat
         await until(pilot, lambda: chat.turns_done == 1 and not chat.busy, what="the turn, no document")
-        assert app.chat.session.messages[0].docs == [] and not chips(app)
+        assert app.chat.backend.session.messages[0].docs == [] and not chips(app)
         await ask()
         await pilot.click("#send")
         await until(pilot, lambda: chat.turns_done == 2 and not chat.busy, what="the turn sent anyway")
-        assert app.chat.session.messages[2].docs == ["long.txt"]
+        assert app.chat.backend.session.messages[2].docs == ["long.txt"]
         assert not any(n.severity == "error" for n in app._notifications)
     clusters.drop(RANKS)  # the next test wants its own model on a fresh pool entry
 
@@ -427,8 +427,8 @@ async def test_escape_stops_the_answer_and_keeps_it(make_app):
         answer = assistant_messages(app)[-1]
         assert answer.border_subtitle == "stopped"
         assert app.chat.entries[-1].role == "assistant" and app.chat.entries[-1].text
-        assert app.chat.session.messages[-1].content == app.chat.entries[-1].text
-        assert len(app.chat.session.tokenizer.encode(app.chat.entries[-1].text)) < 4000
+        assert app.chat.backend.session.messages[-1].content == app.chat.entries[-1].text
+        assert len(app.chat.backend.session.tokenizer.encode(app.chat.entries[-1].text)) < 4000
 
 
 async def run_palette(pilot: Pilot, query: str) -> None:
@@ -445,9 +445,9 @@ async def test_palette_actions(make_app):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await run_palette(pilot, "Algorithm: pass_q")
-        assert app.chat.session.algorithm == "pass_q"
+        assert app.chat.backend.session.algorithm == "pass_q"
         await send(pilot, "First question")
-        assert app.query_one(BigText).text == "pass_q" and app.chat.session.last_choice.forced
+        assert app.query_one(BigText).text == "pass_q" and app.chat.backend.session.last_choice.forced
         await run_palette(pilot, "Export transcript")
         from cpchat.client.settings import data_dir
 
@@ -458,7 +458,7 @@ async def test_palette_actions(make_app):
         await pilot.press("escape")
         await run_palette(pilot, "Clear conversation")
         await until(pilot, lambda: not app.query_one(Transcript).children, what="cleared transcript")
-        assert app.chat.session.messages == [] and app.chat.entries == []
+        assert app.chat.backend.session.messages == [] and app.chat.entries == []
         rows = list(app.query(RankRow))
         await until(pilot, lambda: all(r.stats.kv_tokens == 0 for r in rows), what="KV reset on the ranks")
         await run_palette(pilot, "Attach file")
@@ -477,14 +477,14 @@ async def test_transcript_resumes(make_app):
         await ready(pilot)
         shown = [m.role for m in again.query(ChatMessage)]
         assert shown == ["user", "assistant"]
-        resumed = again.chat.session.messages
+        resumed = again.chat.backend.session.messages
         assert [m.content for m in resumed] == [e.content for e in app.chat.entries]
         notes = again._notifications
         await until(pilot, lambda: any("the next turn re-reads it" in n.message for n in notes),
                     what="the cost of re-reading")
         await send(pilot, "And then?")  # re-prefills the resumed conversation
-        assert len(again.chat.session.messages) == 4
-        assert again.chat.session.last_choice.cached_tokens == 0  # nothing of it was held
+        assert len(again.chat.backend.session.messages) == 4
+        assert again.chat.backend.session.last_choice.cached_tokens == 0  # nothing of it was held
 
 
 async def test_conversation_list_opens_renames_and_deletes(make_app, tmp_path):
@@ -514,7 +514,7 @@ async def test_conversation_list_opens_renames_and_deletes(make_app, tmp_path):
         await until(pilot, lambda: app.chat.store.path == first, what="the first conversation")
         assert [m.source for m in assistant_messages(app)] == [app.chat.entries[1].text]
         assert app.chat.entries[0].text == "About Orion."
-        assert [m.content for m in app.chat.session.messages] == [e.content for e in app.chat.entries]
+        assert [m.content for m in app.chat.backend.session.messages] == [e.content for e in app.chat.entries]
         await run_palette(pilot, "Conversations")
         await pilot.press("d")  # the second is not open now
         await pilot.pause()
@@ -528,24 +528,24 @@ async def test_model_switch_reloads_every_rank_and_keeps_the_conversation(make_a
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
             await send(pilot, "First question")
-            chat, notes = app.chat, app._notifications
+            chat, backend, notes = app.chat, app.chat.backend, app._notifications
             app.query_one(ChatInput).load_text("/model")
             await pilot.press("enter")
-            assert any(n.message.startswith(f"Model: {chat.model_path}. Usage: /model") for n in notes)
+            assert any(n.message.startswith(f"Model: {backend.model_path}. Usage: /model") for n in notes)
             app.query_one(ChatInput).load_text("/model /no/such/model")
             await pilot.press("enter")
             await until(pilot, lambda: any("could not switch to /no/such/model" in n.message for n in notes),
                         what="the refusal")
             await until(pilot, lambda: not chat.busy, what="the ranks ready again")
-            assert chat.cluster.model.model_type == "llama"
+            assert backend.cluster.model.model_type == "llama"
             app.query_one(ChatInput).load_text(f"/model {other}")
             await pilot.press("enter")
-            await until(pilot, lambda: chat.cluster.model.model_type == "qwen3" and not chat.busy,
+            await until(pilot, lambda: backend.cluster.model.model_type == "qwen3" and not chat.busy,
                         timeout=90, what="the switch")
             assert "qwen3" in app.sub_title and len(app.query(ChatMessage)) == 2
             await send(pilot, "Second question")  # the new model re-reads the first turn
-            assert len(chat.session.messages) == 4 and chat.session.tokenizer is chat.tokenizer
-            assert chat.session.last_choice.cached_tokens == 0
+            assert len(backend.session.messages) == 4 and backend.session.tokenizer is backend.tokenizer
+            assert backend.session.last_choice.cached_tokens == 0
     finally:
         clusters.loaded.pop(RANKS, None)  # the ranks hold qwen3 now
 
@@ -567,7 +567,7 @@ async def test_dead_rank_turns_red_and_relaunch_continues(make_app, clusters):
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
             await send(pilot, "Before the failure.")
-            app.chat.cluster.ranks[1].local.process.kill()
+            app.chat.backend.cluster.ranks[1].local.process.kill()
             rows = list(app.query(RankRow))
             await until(pilot, lambda: rows[1].stats.state == "failed", timeout=30, what="the failed row")
             assert rows[1].has_class("-failed")
@@ -575,13 +575,14 @@ async def test_dead_rank_turns_red_and_relaunch_continues(make_app, clusters):
             assert len(app.query(ChatMessage)) == 2, "the transcript stays"
             await pilot.press("ctrl+r")
             chat = app.chat
-            await until(pilot, lambda: not chat.failed and chat.own_cluster, timeout=90, what="relaunch")
+            await until(pilot, lambda: not chat.failed and chat.backend.own_cluster, timeout=90,
+                        what="relaunch")
             await until(pilot, lambda: [r.stats.state for r in app.query(RankRow)] == ["ready", "ready"],
                         what="exactly the new ring's two rows, ready")
             await send(pilot, "After the relaunch.")
             await until(pilot, lambda: all(r.stats.kv_tokens > 0 for r in app.query(RankRow)),
                         what="KV after re-prefill")
-            assert len(app.chat.session.messages) == 4
+            assert len(app.chat.backend.session.messages) == 4
     finally:
         clusters.drop(RANKS)
 
@@ -632,4 +633,4 @@ async def test_hub_model_downloads_with_progress_then_answers(model, tmp_path, m
         assert [p for p in app.chat.phases if p[0] == "download"] == [("download", n, 3) for n in (1, 2, 3)]
         assert "tiny-chat" in app.sub_title
         await send(pilot, "hello")
-        assert assistant_messages(app) and app.chat.cluster.model.name == "acme/tiny-chat"
+        assert assistant_messages(app) and app.chat.backend.cluster.model.name == "acme/tiny-chat"

@@ -22,15 +22,16 @@ from textual.reactive import reactive, var
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Markdown
 
+from cpchat import EXIT_BACKEND, EXIT_USAGE
 from cpchat.client.cluster import BackendError, BadInput, Cluster, ModelInfo
-from cpchat.client.connect import ClusterOptions, connect_cluster
+from cpchat.client.connect import ClusterOptions
 from cpchat.client.documents import Document, DocumentCancelled, read_document, render_sections
 from cpchat.client.events import Done, Prefill, Progress, RankStats, Token
-from cpchat.client.hub import front_end_copy
 from cpchat.client.session import Message as SessionMessage
-from cpchat.client.session import SamplingOptions, Session, Turn, load_tokenizer
-from cpchat.client.settings import Settings, data_dir, resolve_model
+from cpchat.client.session import Turn
+from cpchat.client.settings import Settings, data_dir
 from cpchat.core.estimate import human_duration
+from cpchat.tui.backend import Backend
 from cpchat.tui.messages import (
     BackendFailed,
     BackendReady,
@@ -101,18 +102,13 @@ class ChatScreen(Screen):
         transcripts: Path | None = None,
     ) -> None:
         super().__init__()
-        self.settings, self.options = settings, options or ClusterOptions()
-        self.cluster, self.model_path = cluster, model_path
-        self.tokenizer_dir: str | None = None  # where the front end reads a hub model's tokenizer
-        self.own_cluster = False
+        self.settings = settings
+        self.backend = Backend(settings, options or ClusterOptions(), cluster, model_path)
         self.resume, self.start_backend = resume, start_backend
         self.model: ModelInfo | None = None
-        self.tokenizer = None
-        self.session: Session | None = None
         self.entries: list[Entry] = []
         self.store = TranscriptStore(transcripts or data_dir() / "transcripts")
         self.turns_done = 0
-        self._shutting_down = threading.Event()
         self._stats_stop = threading.Event()
         self._answer: ChatMessage | None = None
         self._stream = None
@@ -174,44 +170,27 @@ class ChatScreen(Screen):
     def start_cluster(self) -> None:
         """Connect (or launch) and load; a failure here ends the app with a one-line message."""
         try:
-            description = ""
-            if self.cluster is None:
-                model_path, description = resolve_model(self.settings.model)
-                self.model_path = model_path
-                self.tokenizer_dir = front_end_copy(model_path, whole_model=not self.options.attached,
-                                                    progress=self._download_progress)
-                n = self.settings.ranks
-                self.post_message(WorkProgress("connect", 0, n))
-                cluster = connect_cluster(self.options, n)
-                self.cluster, self.own_cluster = cluster, cluster.is_local
-                if self._shutting_down.is_set():
-                    return
-                self._post_rank_states(cluster, "loading")
-                cluster.load(model_path, on_progress=self._load_progress)
-            assert self.cluster is not None and self.model_path is not None
-            if self.cluster.model is None:
-                self.cluster.load(self.model_path)
-            self.tokenizer = load_tokenizer(self.tokenizer_dir or self.model_path)
-            self.post_message(self._ready_message(description))
+            description = self.backend.start(self._report)
+            if not self.backend.closing.is_set():
+                self.post_message(self._ready_message(description))
         except BadInput as e:
-            self.post_message(BackendFailed(str(e), startup=True, exit_code=2))
+            self.post_message(BackendFailed(str(e), startup=True, exit_code=EXIT_USAGE))
         except BackendError as e:
-            self.post_message(BackendFailed(str(e), startup=True, exit_code=3))
+            self.post_message(BackendFailed(str(e), startup=True, exit_code=EXIT_BACKEND))
 
-    def _download_progress(self, done_bytes: int, total_bytes: int) -> None:
-        self.post_message(WorkProgress("download", done_bytes >> 20, total_bytes >> 20))
-
-    def _load_progress(self, done: int, total: int) -> None:
-        self.post_message(WorkProgress("load", done, total))
+    def _report(self, phase: str, done: int, total: int) -> None:
+        """Progress of the backend's work, from its thread; a load marks the ranks loading first."""
+        cluster = self.backend.cluster
+        if phase == "load" and done == 0 and cluster is not None:
+            for r in cluster.ranks:
+                self.post_message(StatsArrived(RankStats(r.rank, r.address, "loading")))
+        self.post_message(WorkProgress(phase, done, total))
 
     def _ready_message(self, description: str = "") -> BackendReady:
-        assert self.cluster is not None and self.cluster.model is not None
-        ranks = [RankInfo(r.rank, r.address, r.blas_label, bool(r.blas.fix)) for r in self.cluster.ranks]
-        return BackendReady(self.cluster.model, ranks, description, self.cluster.slow_blas_warning())
-
-    def _post_rank_states(self, cluster: Cluster, state: str) -> None:
-        for r in cluster.ranks:
-            self.post_message(StatsArrived(RankStats(r.rank, r.address, state)))
+        cluster = self.backend.cluster
+        assert cluster is not None and cluster.model is not None
+        ranks = [RankInfo(r.rank, r.address, r.blas_label, bool(r.blas.fix)) for r in cluster.ranks]
+        return BackendReady(cluster.model, ranks, description, cluster.slow_blas_warning())
 
     async def on_backend_ready(self, message: BackendReady) -> None:
         self.model = message.model
@@ -230,15 +209,10 @@ class ChatScreen(Screen):
         if message.blas_warning:
             self.notify(message.blas_warning[0].upper() + message.blas_warning[1:], title="Slow BLAS",
                         severity="warning", timeout=30)
-        if self.cluster is not None and self.tokenizer is not None:
-            if self.session is None or self.session.tokenizer is not self.tokenizer:  # new or switched model
-                s = self.settings
-                sampling = SamplingOptions(s.max_tokens, s.temp, s.top_p, s.seed)
-                self.session = Session(self.cluster, self.tokenizer, algorithm=s.algorithm, sampling=sampling)
-                self.session.messages = [SessionMessage(e.role, e.content, e.docs) for e in self.entries]
-            else:
-                self.session.attach(self.cluster)
-            self.follow_stats(self.cluster)
+        backend = self.backend
+        if backend.cluster is not None and backend.tokenizer is not None:
+            backend.session_for([SessionMessage(e.role, e.content, e.docs) for e in self.entries])
+            self.follow_stats(backend.cluster)
             self.count_tokens([c for c in self.query(AttachmentChip) if c.tokens is None])
 
     def on_backend_failed(self, message: BackendFailed) -> None:
@@ -280,29 +254,19 @@ class ChatScreen(Screen):
 
     def _report_failure(self, text: str) -> None:
         self.failed = True
-        hint = " Press Ctrl+R to relaunch the ranks." if self.cluster is None or self.cluster.is_local else ""
+        cluster = self.backend.cluster
+        hint = " Press Ctrl+R to relaunch the ranks." if cluster is None or cluster.is_local else ""
         self.notify(f"{text}.{hint}", title="Rank failed", severity="error", timeout=30)
 
     @work(thread=True, group="backend", exclusive=True, exit_on_error=False)
     def relaunch(self) -> None:
         """Replace the ranks with fresh local ones; the conversation is re-prefilled next turn."""
-        old = self.cluster
-        n = old.size if old is not None else self.settings.ranks
         self._stats_stop.set()
-        if old is not None and self.own_cluster:
-            old.close()
         try:
-            self.post_message(WorkProgress("connect", 0, n))
-            cluster = Cluster.launch(n)
-            cluster.connect()
-            self.cluster, self.own_cluster = cluster, True
-            if self._shutting_down.is_set():
-                return
-            self._post_rank_states(cluster, "loading")
-            assert self.model_path is not None
-            cluster.load(self.model_path, on_progress=self._load_progress)
-            self.post_message(self._ready_message())
-            self.post_message(Notice("Ranks relaunched; the next turn re-reads the conversation."))
+            self.backend.relaunch(self._report)
+            if not self.backend.closing.is_set():
+                self.post_message(self._ready_message())
+                self.post_message(Notice("Ranks relaunched; the next turn re-reads the conversation."))
         except (BackendError, BadInput) as e:
             self.post_message(WorkProgress("connect", 0, 0))
             self.post_message(BackendFailed(f"relaunch failed: {e}"))
@@ -318,13 +282,9 @@ class ChatScreen(Screen):
 
     def on_unmount(self) -> None:
         """Stop everything that waits on the ranks; close the ranks we launched."""
-        self._shutting_down.set()
         self._stats_stop.set()
-        if self.busy and self.session is not None:
-            self.session.cancel()
         self.store.flush()
-        if self.own_cluster and self.cluster is not None:
-            self.cluster.close()
+        self.backend.close(generating=self.busy)
 
     # ---- a turn
 
@@ -342,7 +302,7 @@ class ChatScreen(Screen):
         if self.busy:
             self.notify("An answer is still streaming; Esc stops it.", severity="warning")
             return
-        if self.session is None:
+        if self.backend.session is None:
             self.notify("The ranks are not ready yet.", severity="warning")
             return
         if self.failed:
@@ -356,7 +316,7 @@ class ChatScreen(Screen):
     @work(thread=True, group="prepare", exit_on_error=False)
     def prepare_turn(self, typed: str, text: str, documents: list[Document]) -> None:
         """Tokenize the prompt off the loop (a long document takes seconds) and estimate its prefill."""
-        session = self.session
+        session = self.backend.session
         assert session is not None
         try:
             turn = session.prepare(text, documents)
@@ -369,9 +329,9 @@ class ChatScreen(Screen):
     async def on_turn_prepared(self, message: TurnPrepared) -> None:
         self._preparing = False
         turn = message.turn
-        if turn is None or self.session is None:
+        if turn is None or self.backend.session is None:
             return
-        if self.session.fits(turn):
+        if self.backend.session.fits(turn):
             await self._send(message, past_context=False)
             return
         chips = self.query_one(AttachmentBar).chips()
@@ -384,7 +344,7 @@ class ChatScreen(Screen):
                 self.post_message(ChatInput.Submitted(message.typed))
 
         attachments = [(c.document.name, c.tokens) for c in chips]
-        budget = ContextBudget(len(turn.tokens), self.session.context_limit, attachments)
+        budget = ContextBudget(len(turn.tokens), self.backend.session.context_limit, attachments)
         self.app.push_screen(budget, decided)
 
     async def _send(self, message: TurnPrepared, past_context: bool) -> None:
@@ -397,8 +357,8 @@ class ChatScreen(Screen):
         await self.query_one(AttachmentBar).clear()
         await self.show_turn(entry)
         self._prefill_expected = message.expected_s
-        if self.session is not None:
-            self.post_message(WorkProgress("prefill", 0, self.session.new_tokens(turn)))
+        if self.backend.session is not None:
+            self.post_message(WorkProgress("prefill", 0, self.backend.session.new_tokens(turn)))
         self.generate(turn, entry, past_context)
 
     async def show_turn(self, entry: Entry) -> None:
@@ -418,7 +378,7 @@ class ChatScreen(Screen):
     @work(thread=True, group="generate", exclusive=True, exit_on_error=False)
     def generate(self, turn: Turn, entry: Entry, past_context: bool) -> None:
         """Run a turn; every event becomes a message. Tokens are saved before they are shown."""
-        session = self.session
+        session = self.backend.session
         assert session is not None
         self.store.add(entry)
         streamed = False
@@ -492,11 +452,11 @@ class ChatScreen(Screen):
             panel.context_used = sum(r.kv_tokens for r in done.ranks)
             self.turns_done += 1
         if message.error:
-            failed = self.cluster is not None and any(r.state == "failed" for r in self.cluster.ranks)
+            cluster = self.backend.cluster
+            failed = [r.rank for r in cluster.ranks if r.state == "failed"] if cluster is not None else []
             if failed:
-                self.query_one(RanksPanel).mark(
-                    "failed", message.error, [r.rank for r in self.cluster.ranks if r.state == "failed"])
-                self._failed_ranks.update(r.rank for r in self.cluster.ranks if r.state == "failed")
+                self.query_one(RanksPanel).mark("failed", message.error, failed)
+                self._failed_ranks.update(failed)
                 self._report_failure(message.error)
             elif not self.failed:  # a failed rank was already reported by its stats stream
                 self.notify(message.error, severity="error", timeout=10)
@@ -511,10 +471,10 @@ class ChatScreen(Screen):
         if self._reading is not None:
             self._reading.set()
             return
-        if not self.busy or self.session is None:
+        if not self.busy or self.backend.session is None:
             return
         self._cancelled = True
-        threading.Thread(target=self.session.cancel, name="cancel", daemon=True).start()
+        threading.Thread(target=self.backend.session.cancel, name="cancel", daemon=True).start()
 
     def watch_busy(self, busy: bool) -> None:
         self.query_one(ChatInput).set_class(busy, "-busy")
@@ -567,7 +527,7 @@ class ChatScreen(Screen):
         return report
 
     def _count(self, document: Document) -> int | None:
-        tokenizer = self.tokenizer
+        tokenizer = self.backend.tokenizer
         return len(tokenizer.encode(render_sections(document))) if tokenizer is not None else None
 
     @work(thread=True, group="attach", exit_on_error=False)
@@ -618,7 +578,7 @@ class ChatScreen(Screen):
             if rest.strip():
                 self.action_switch_model(rest.strip())
             else:
-                self.notify(f"Model: {self.model_path or '—'}. Usage: /model PATH_OR_ID", timeout=8)
+                self.notify(f"Model: {self.backend.model_path or '—'}. Usage: /model PATH_OR_ID", timeout=8)
             return True
         if command == "/algorithm" and rest.strip() in ALGORITHMS:
             self.set_algorithm(rest.strip())
@@ -655,8 +615,8 @@ class ChatScreen(Screen):
 
     def set_algorithm(self, algorithm: str) -> None:
         self.settings = replace(self.settings, algorithm=algorithm)
-        if self.session is not None:
-            self.session.algorithm = algorithm
+        if self.backend.session is not None:
+            self.backend.session.algorithm = algorithm
         self.query_one(RingPanel).mode = algorithm
         self.notify(f"Ring algorithm: {algorithm}")
 
@@ -668,14 +628,14 @@ class ChatScreen(Screen):
 
     @work(thread=True, group="backend", exit_on_error=False)
     def reset_conversation(self) -> None:
-        if self.session is not None and not self.failed:
+        if self.backend.session is not None and not self.failed:
             try:
-                self.session.reset()
+                self.backend.session.reset()
             except BackendError as e:
                 self.post_message(Notice(f"could not reset the ranks: {e}", "error"))
                 return
-        elif self.session is not None:
-            self.session.messages.clear()
+        elif self.backend.session is not None:
+            self.backend.session.messages.clear()
         self.post_message(ConversationCleared())
 
     async def on_conversation_cleared(self, message: ConversationCleared) -> None:
@@ -709,11 +669,12 @@ class ChatScreen(Screen):
 
     def action_switch_model(self, model: str | None = None) -> None:
         """Load another model on every rank (asking which when not given); the transcript stays."""
-        if self.busy or self.cluster is None or self.cluster.model is None:
+        cluster = self.backend.cluster
+        if self.busy or cluster is None or cluster.model is None:
             self.notify("Wait for the ranks to be ready and the answer to end.", severity="warning")
             return
         if model is None:
-            current = self.cluster.model.name
+            current = cluster.model.name
             self.app.push_screen(ModelPrompt(current), lambda m: m and self.action_switch_model(m))
             return
         self.busy = True
@@ -723,28 +684,17 @@ class ChatScreen(Screen):
     def switch_model(self, model: str) -> None:
         """Every rank loads `model` from its own disk; on failure they go back to the old one. The
         next turn re-reads the conversation with the new model."""
-        cluster, old = self.cluster, self.model_path
-        assert cluster is not None and old is not None
-        loading = False
         try:
-            model_path, _ = resolve_model(model)
-            tokenizer_dir = front_end_copy(model_path, whole_model=not self.options.attached,
-                                           progress=self._download_progress)
-            self._post_rank_states(cluster, "loading")
-            loading = True
-            cluster.load(model_path, on_progress=self._load_progress)
-            tokenizer = load_tokenizer(tokenizer_dir or model_path)
-        except (BadInput, BackendError) as e:
+            self.backend.switch_model(model, self._report)
+        except BadInput as e:
             self.post_message(Notice(f"could not switch to {model}: {e}", "error"))
-            try:
-                if loading:  # some ranks may have the new model: all go back
-                    cluster.load(old, on_progress=self._load_progress)
-                self.post_message(self._ready_message())
-            except (BadInput, BackendError) as again:
-                self.post_message(BackendFailed(f"the ranks could not go back to {old}: {again}"))
+            self.post_message(self._ready_message())
             self.post_message(ModelSwitched(None))
             return
-        self.model_path, self.tokenizer_dir, self.tokenizer = model_path, tokenizer_dir, tokenizer
+        except BackendError as e:
+            self.post_message(BackendFailed(f"could not switch to {model}: {e}"))
+            self.post_message(ModelSwitched(None))
+            return
         self.post_message(self._ready_message())
         self.post_message(ModelSwitched(model))
 
@@ -757,7 +707,7 @@ class ChatScreen(Screen):
         if self.busy:
             self.notify("Stop the answer first (Esc).", severity="warning")
             return
-        if self.cluster is not None and not self.cluster.is_local:
+        if self.backend.cluster is not None and not self.backend.cluster.is_local:
             self.notify("These ranks were attached, not launched: restart them on their machines.",
                         severity="warning")
             return
@@ -789,9 +739,10 @@ class ChatScreen(Screen):
         self.store.path = path
         if self.model is not None:
             self.store.set_model(self.model.name)
-        if self.session is not None and self.cluster is not None:
-            self.session.messages = [SessionMessage(e.role, e.content, e.docs) for e in entries]
-            self.session.attach(self.cluster)
+        session = self.backend.session
+        if session is not None:
+            session.messages = [SessionMessage(e.role, e.content, e.docs) for e in entries]
+            session.attach(session.cluster)  # the ranks hold another conversation, or none
             self.announce_history_cost(path.stem)
         else:
             self.notify(f"Opened {path.stem} ({len(entries)} messages).")
@@ -799,7 +750,7 @@ class ChatScreen(Screen):
     @work(thread=True, group="prepare", exit_on_error=False)
     def announce_history_cost(self, name: str) -> None:
         """What re-reading an opened conversation will cost, said before the next turn pays it."""
-        session = self.session
+        session = self.backend.session
         assert session is not None
         tokens, seconds = session.history_cost()
         cost = f", about {human_duration(seconds)}" if seconds is not None and seconds >= 2 else ""

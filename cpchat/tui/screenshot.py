@@ -34,7 +34,7 @@ async def capture(model: str, out: Path, document: Path, question: str, size: tu
                     raise TimeoutError("screenshot: timed out")
                 await pilot.pause(0.05)
 
-        await until(lambda: app.chat.session is not None)
+        await until(lambda: app.chat.backend.session is not None)
         if panels:
             await pilot.press("ctrl+b")
         app.query_one(ChatInput).focus()

@@ -1,0 +1,116 @@
+"""The ranks, tokenizer and session behind a chat screen, with blocking methods for its workers.
+
+No widgets here: ChatScreen's thread workers call these methods and post what came of them. Progress
+goes through `report(phase, done, total)`; phases are the work bar's ("download", "connect", "load").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from cpchat.client.cluster import BackendError, BadInput, Cluster
+from cpchat.client.connect import ClusterOptions, connect_cluster
+from cpchat.client.hub import front_end_copy
+from cpchat.client.session import Message, SamplingOptions, Session, load_tokenizer
+from cpchat.client.settings import Settings, resolve_model
+
+Report = Callable[[str, int, int], None]
+
+
+class Backend:
+    """`cluster`/`model_path` inject a running, loaded cluster (tests); otherwise `start` launches
+    or attaches one from `options`. Only the screen's backend workers call the blocking methods."""
+
+    def __init__(self, settings: Settings, options: ClusterOptions, cluster: Cluster | None = None,
+                 model_path: str | None = None) -> None:
+        self.settings, self.options = settings, options
+        self.cluster, self.model_path = cluster, model_path
+        self.own_cluster = False  # launched here: closed with the app
+        self.tokenizer_dir: str | None = None  # where the front end reads a hub model's tokenizer
+        self.tokenizer = None
+        self.session: Session | None = None
+        self.closing = threading.Event()
+
+    def start(self, report: Report) -> str:
+        """Launch or attach the ranks and load the model and its tokenizer; returns the built-in
+        model's description when no model was chosen ("" otherwise)."""
+        description = ""
+        if self.cluster is None:
+            self.model_path, description = resolve_model(self.settings.model)
+            self.tokenizer_dir = self._fetch(self.model_path, report)
+            report("connect", 0, self.settings.ranks)
+            cluster = connect_cluster(self.options, self.settings.ranks)
+            self.cluster, self.own_cluster = cluster, cluster.is_local
+            if self.closing.is_set():
+                return description
+        assert self.model_path is not None
+        if self.cluster.model is None:
+            self._load(self.model_path, report)
+        self.tokenizer = load_tokenizer(self.tokenizer_dir or self.model_path)
+        return description
+
+    def relaunch(self, report: Report) -> None:
+        """Replace the ranks with fresh local ones and load the model again."""
+        old = self.cluster
+        n = old.size if old is not None else self.settings.ranks
+        if old is not None and self.own_cluster:
+            old.close()
+        report("connect", 0, n)
+        cluster = Cluster.launch(n)
+        cluster.connect()
+        self.cluster, self.own_cluster = cluster, True
+        if not self.closing.is_set():
+            assert self.model_path is not None
+            self._load(self.model_path, report)
+
+    def switch_model(self, model: str, report: Report) -> None:
+        """Every rank loads `model` from its own disk. On failure they all go back to the old one and
+        the error is raised; a failure of that too raises BackendError."""
+        assert self.cluster is not None and self.model_path is not None
+        old, loading = self.model_path, False
+        try:
+            model_path, _ = resolve_model(model)
+            tokenizer_dir = self._fetch(model_path, report)
+            loading = True
+            self._load(model_path, report)
+            tokenizer = load_tokenizer(tokenizer_dir or model_path)
+        except (BadInput, BackendError):
+            if loading:  # some ranks may hold the new model already
+                try:
+                    self._load(old, report)
+                except (BadInput, BackendError) as e:
+                    raise BackendError(f"the ranks could not go back to {old}: {e}") from None
+            raise
+        self.model_path, self.tokenizer_dir, self.tokenizer = model_path, tokenizer_dir, tokenizer
+
+    def session_for(self, messages: list[Message]) -> Session:
+        """The session on the current ranks: a new one, with `messages`, for a new tokenizer (a new or
+        switched model), otherwise the same one."""
+        assert self.cluster is not None and self.tokenizer is not None
+        if self.session is None or self.session.tokenizer is not self.tokenizer:
+            s = self.settings
+            sampling = SamplingOptions(s.max_tokens, s.temp, s.top_p, s.seed)
+            self.session = Session(self.cluster, self.tokenizer, algorithm=s.algorithm, sampling=sampling)
+            self.session.messages = list(messages)
+        return self.session
+
+    def close(self, generating: bool) -> None:
+        """Stop a generation under way and the ranks launched here (attached ones keep running)."""
+        self.closing.set()
+        if generating and self.session is not None:
+            self.session.cancel()
+        if self.own_cluster and self.cluster is not None:
+            self.cluster.close()
+
+    def _fetch(self, model_path: str, report: Report) -> str | None:
+        """A hub model's files for the front end: the whole model when the ranks are ours."""
+        return front_end_copy(model_path, whole_model=not self.options.attached,
+                              progress=lambda done, total: report("download", done >> 20, total >> 20))
+
+    def _load(self, model_path: str, report: Report) -> None:
+        assert self.cluster is not None
+        report("load", 0, self.cluster.size)
+        self.cluster.load(model_path, on_progress=lambda done, total: report("load", done, total))
+        if self.session is not None:
+            self.session.attach(self.cluster)  # a load empties the ranks' KV: the next turn re-reads all
