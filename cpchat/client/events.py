@@ -1,8 +1,8 @@
 """What a generation reports to its front end (TUI or headless).
 
 These plain dataclasses are the client's public vocabulary: the headless
-`--json` events of design §1 are exactly `asdict()` of the first five, with
-an "event" key added.
+`--json` events of design §1 are exactly `asdict()` of those in EVENT_NAMES,
+with an "event" key added.
 """
 
 from __future__ import annotations
