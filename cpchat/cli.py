@@ -38,6 +38,8 @@ def app_parser() -> argparse.ArgumentParser:
     p.add_argument("--doc", action="append", default=[], metavar="FILE", help="document for the first turn")
     p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
     p.add_argument("--json", action="store_true", help="headless output as JSON lines")
+    p.add_argument("--blas", choices=blas.CHOICES,
+                   help="BLAS of the local ranks (Linux): auto takes the fastest installed (default)")
     p.add_argument("--progress", action="store_true",
                    help="headless plain output: report prefill progress on stderr")
     p.add_argument("--resume", nargs="?", const="last", default=None, metavar="ID",

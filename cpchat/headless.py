@@ -105,7 +105,7 @@ def run_headless(args: argparse.Namespace, options: ClusterOptions) -> int:
         if not settings.model:
             print(f"cpchat: using {description}", file=sys.stderr)
         tokenizer = load_tokenizer(front_end_copy(model_path, whole_model=not options.attached))
-        cluster = connect_cluster(options, settings.ranks)
+        cluster = connect_cluster(options, settings.ranks, settings.blas)
         cluster.load(model_path)
         out.event(Ready(settings.model or "demo",
                         [RankAddress(r.rank, r.address, r.blas_label) for r in cluster.ranks]))

@@ -15,7 +15,7 @@ from rankprocs import start_ranks
 from cpchat import blas
 from cpchat.bench.run import main as bench_main
 from cpchat.cli import main as cli_main
-from cpchat.client.cluster import Cluster
+from cpchat.client.cluster import BadInput, Cluster
 
 NAMES = {"openblas": "OpenBLAS", "mkl": "oneMKL"}
 DETECT = ("import json, dataclasses; from cpchat.blas import in_use; "
@@ -124,3 +124,21 @@ def test_ranks_reexecute_onto_their_blas_and_report_it(tmp_path, model_dir):
     finally:
         for r in ranks:
             r.stop()
+
+
+def test_the_app_launches_its_ranks_on_the_blas_asked_for(model_dir):
+    done = subprocess.run(
+        [sys.executable, "-m", "cpchat", "--headless", "--json", "--ranks", "2", "--blas", "reference",
+         "--model", str(model_dir("llama")), "--prompt", "hi", "--max-tokens", "1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    ready = json.loads(done.stdout.splitlines()[0])
+    assert [r["blas"] for r in ready["ranks"]] == ["reference", "reference"]
+    warned = [line for line in done.stderr.splitlines() if "reference BLAS" in line]
+    assert len(warned) == 1 and warned[0].startswith("cpchat: the ranks multiply with the reference BLAS")
+
+
+def test_launching_on_a_blas_that_is_not_installed_is_bad_input(no_openblas):
+    with pytest.raises(BadInput, match="--blas openblas: no openblas library found"):
+        Cluster.launch(1, "openblas")

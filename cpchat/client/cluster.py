@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from cpchat.blas import BlasInfo
+from cpchat.blas import BlasInfo, BlasUnavailable
 from cpchat.client.events import RankStats, RingStep
 from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks
 from cpchat.core.estimate import PrefillCost
@@ -151,6 +151,8 @@ class Cluster:
             local = launch_local_ranks(num_ranks, blas_choice, pin_cpus)
         except LaunchError as e:
             raise BackendError(str(e)) from None
+        except BlasUnavailable as e:
+            raise BadInput(str(e)) from None
         return cls([r.address for r in local], local=local)
 
     @property

@@ -48,15 +48,15 @@ def read_bytes(path: str | None, what: str) -> bytes | None:
         raise BadInput(f"cannot read {what} {path}: {e.strerror}") from None
 
 
-def connect_cluster(options: ClusterOptions, ranks: int) -> Cluster:
-    """Launch `ranks` local ranks, or attach to running ones, and form the ring."""
+def connect_cluster(options: ClusterOptions, ranks: int, blas_choice: str = "auto") -> Cluster:
+    """Launch `ranks` local ranks with that BLAS, or attach to running ones, and form the ring."""
     token = read_token(options.token_file) if options.token_file else None
     tls_ca = read_bytes(options.tls_ca, "CA certificate")
     if options.attached:
         addresses = parse_addresses(options.attach) if options.attach else read_hostfile(options.hostfile)
         cluster = Cluster(addresses, token=token, tls_ca=tls_ca)
     else:
-        cluster = Cluster.launch(ranks)
+        cluster = Cluster.launch(ranks, blas_choice)
     try:
         cluster.connect()
     except BaseException:

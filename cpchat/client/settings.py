@@ -18,6 +18,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from cpchat import blas
 from cpchat.client.cluster import BadInput
 from cpchat.client.hub import is_hub_id
 
@@ -57,6 +58,7 @@ class Settings:
     top_p: float = 1.0
     seed: int | None = None
     theme: str = "textual-dark"
+    blas: str = "auto"  # for local ranks: auto | openblas | mkl | reference (cpchat/blas.py)
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -70,6 +72,7 @@ _CASTS = {
     "top_p": float,
     "seed": int,
     "theme": str,
+    "blas": str,
 }
 
 
@@ -82,6 +85,8 @@ def _set(settings: Settings, key: str, value: object, source: str) -> None:
         ) from None
     if key == "algorithm" and value not in ("auto", "pass_kv", "pass_q"):
         raise BadInput(f"setting algorithm from {source}: {value!r} is not auto, pass_kv or pass_q")
+    if key == "blas" and value not in blas.CHOICES:
+        raise BadInput(f"setting blas from {source}: {value!r} is not {', '.join(blas.CHOICES)}")
     if key == "ranks" and value < 1:
         raise BadInput(f"setting ranks from {source}: must be at least 1")
     setattr(settings, key, value)
@@ -113,6 +118,7 @@ def resolve_settings(args: argparse.Namespace, config_file: Path | None = None) 
         "temp": args.temp,
         "top_p": args.top_p,
         "seed": args.seed,
+        "blas": args.blas,
     }
     for key, value in flags.items():
         if value is not None:

@@ -40,7 +40,7 @@ class Backend:
             self.model_path, description = resolve_model(self.settings.model)
             self.tokenizer_dir = self._fetch(self.model_path, report)
             report("connect", 0, self.settings.ranks)
-            cluster = connect_cluster(self.options, self.settings.ranks)
+            cluster = connect_cluster(self.options, self.settings.ranks, self.settings.blas)
             self.cluster, self.own_cluster = cluster, cluster.is_local
             if self.closing.is_set():
                 return description
@@ -57,7 +57,7 @@ class Backend:
         if old is not None and self.own_cluster:
             old.close()
         report("connect", 0, n)
-        cluster = Cluster.launch(n)
+        cluster = Cluster.launch(n, self.settings.blas)
         cluster.connect()
         self.cluster, self.own_cluster = cluster, True
         if not self.closing.is_set():
