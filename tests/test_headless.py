@@ -276,16 +276,23 @@ def test_rank_refuses_public_bind_without_token_and_taken_port():
     assert "Traceback" not in result.stderr
 
 
+SIGINT_DEFAULT_EXEC = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                       "os.execv(sys.executable, [sys.executable, '-m', 'cpchat', *sys.argv[1:]])")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_ranks_never_outlive_the_front_end(model_dir, sig):
     p = subprocess.Popen(
-        CPCHAT + ["--headless", "--json", "--model", str(model_dir("llama")), "--ranks", "2"],
+        # As from a terminal: a runner started in the background (`cmd &`) ignores SIGINT, children
+        # too, so the front end starts with it back to the default. Not with preexec_fn: that forks
+        # this process, which holds gRPC channels, and grpcio >= 1.80 can abort such a fork child
+        # with "epoll_wait error: Bad file descriptor" (grpc/grpc#43055).
+        [sys.executable, "-c", SIGINT_DEFAULT_EXEC, "--headless", "--json", "--model",
+         str(model_dir("llama")), "--ranks", "2"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # as from a terminal: a runner started in the background (`cmd &`) ignores SIGINT, children too
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         line = p.stdout.readline()  # the front end then waits for a turn on stdin
