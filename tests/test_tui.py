@@ -23,7 +23,7 @@ from cpchat.client.settings import Settings
 from cpchat.smallmodels import write_model
 from cpchat.tui.app import CpchatApp
 from cpchat.tui.chat import ChatScreen
-from cpchat.tui.screens import AttachmentsScreen, ContextBudget, ConversationsScreen, HelpScreen
+from cpchat.tui.screens import AttachmentsScreen, ContextBudget, ConversationsScreen, HelpScreen, ModelPrompt
 from cpchat.tui.store import TranscriptStore
 from cpchat.tui.widgets import (
     AttachmentChip,
@@ -529,9 +529,11 @@ async def test_model_switch_reloads_every_rank_and_keeps_the_conversation(make_a
             await ready(pilot)
             await send(pilot, "First question")
             chat, backend, notes = app.chat, app.chat.backend, app._notifications
-            app.query_one(ChatInput).load_text("/model")
+            app.query_one(ChatInput).load_text("/model")  # without a model it asks which
             await pilot.press("enter")
-            assert any(n.message.startswith(f"Model: {backend.model_path}. Usage: /model") for n in notes)
+            await until(pilot, lambda: isinstance(app.screen, ModelPrompt), what="the model prompt")
+            await pilot.press("escape")
+            await until(pilot, lambda: app.screen is chat, what="back to the chat")
             app.query_one(ChatInput).load_text("/model /no/such/model")
             await pilot.press("enter")
             await until(pilot, lambda: any("could not switch to /no/such/model" in n.message for n in notes),

@@ -32,6 +32,7 @@ from cpchat.client.session import Turn
 from cpchat.client.settings import Settings, data_dir
 from cpchat.core.estimate import human_duration
 from cpchat.tui.backend import Backend
+from cpchat.tui.commands import COMMANDS, Command, parse_slash
 from cpchat.tui.messages import (
     BackendFailed,
     BackendReady,
@@ -560,32 +561,32 @@ class ChatScreen(Screen):
         self.query_one(ChatInput).focus()
 
     async def _slash_command(self, text: str) -> bool:
-        command, _, rest = text.partition(" ")
-        if command == "/attach":
-            items = split_paste(rest) if rest.strip() else None
+        """Run `/name [argument]` from the command table; False when it names no command."""
+        parsed = parse_slash(text)
+        if parsed is None:
+            return False
+        command, argument = parsed
+        self.run_command(command, argument)
+        return True
+
+    def run_command(self, command: Command, argument: str = "") -> None:
+        owner, _, name = command.action.rpartition(".")
+        action = getattr(self.app if owner == "app" else self, f"action_{name}")
+        if argument and command.argument:
+            action(argument)
+        else:
+            action()
+
+    def action_attach_file(self, paths: str = "") -> None:
+        """Attach the paths given (as a paste would write them), or pick one."""
+        if paths:
+            items = split_paste(paths)
             if not items:
                 self.notify("Usage: /attach PATH [PATH…]", severity="warning")
-                return True
+                return
             self.attach_paths([Path(i).expanduser() for i in items])
-            return True
-        actions = {"/conversations": self.action_conversations, "/clear": self.action_clear,
-                   "/help": self.app.action_help, "/export": self.action_export,
-                   "/relaunch": self.action_relaunch}
-        if command in actions:
-            actions[command]()
-            return True
-        if command == "/model":
-            if rest.strip():
-                self.action_switch_model(rest.strip())
-            else:
-                self.notify(f"Model: {self.backend.model_path or '—'}. Usage: /model PATH_OR_ID", timeout=8)
-            return True
-        if command == "/algorithm" and rest.strip() in ALGORITHMS:
-            self.set_algorithm(rest.strip())
-            return True
-        return False
+            return
 
-    def action_attach_file(self) -> None:
         def picked(path: Path | None) -> None:
             if path is not None:
                 self.attach_paths([path])
@@ -595,25 +596,19 @@ class ChatScreen(Screen):
     # ---- palette actions
 
     def system_commands(self) -> Iterator[SystemCommand]:
-        """The palette's commands for this screen (the app adds them to its own)."""
-        yield SystemCommand("Attach file", "Pick a document to include in the next message",
-                            self.action_attach_file)
-        yield SystemCommand("List attachments", "What goes into the next message, a folder's files too",
-                            self.action_list_attachments)
-        yield SystemCommand("Clear conversation", "Forget the conversation and the ranks' KV cache",
-                            self.action_clear)
-        for algorithm in ALGORITHMS:
-            yield SystemCommand(f"Algorithm: {algorithm}", f"Use {algorithm} for the ring from the next turn",
-                                lambda a=algorithm: self.set_algorithm(a))
-        yield SystemCommand("Export transcript", "Save the conversation as Markdown", self.action_export)
-        yield SystemCommand("Conversations", "Open, rename or delete a saved conversation",
-                            self.action_conversations)
-        yield SystemCommand("Switch model", "Load another model on every rank; the conversation stays",
-                            self.action_switch_model)
-        yield SystemCommand("Relaunch ranks", "Start fresh local ranks and re-read the conversation",
-                            self.action_relaunch)
+        """The palette's commands for this screen, from the command table (the app adds its own)."""
+        for command in COMMANDS:
+            if command.name == "algorithm":  # one entry per choice: the palette takes no argument
+                for algorithm in ALGORITHMS:
+                    yield SystemCommand(f"Algorithm: {algorithm}", f"Use {algorithm} for the ring from the "
+                                        "next turn", lambda a=algorithm: self.action_set_algorithm(a))
+            elif command.name != "help":
+                yield SystemCommand(command.title, command.help, lambda c=command: self.run_command(c))
 
-    def set_algorithm(self, algorithm: str) -> None:
+    def action_set_algorithm(self, algorithm: str = "") -> None:
+        if algorithm not in ALGORITHMS:
+            self.notify(f"Usage: /algorithm {'|'.join(ALGORITHMS)}", severity="warning")
+            return
         self.settings = replace(self.settings, algorithm=algorithm)
         if self.backend.session is not None:
             self.backend.session.algorithm = algorithm
