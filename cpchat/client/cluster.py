@@ -8,7 +8,7 @@ import queue
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,8 +164,11 @@ class Cluster:
         return all(r.local is not None for r in self.ranks)
 
     def _each(self, fn: Callable[[RankHandle], object], connecting: bool = False) -> list[object]:
-        """Run fn on every rank at once; the first failure becomes a BackendError naming the rank."""
+        """Run fn on every rank at once; the first failure becomes a BackendError naming the rank.
+        Returns or raises only once every rank has answered: a rank still loading when its neighbour
+        refused the model would refuse the next load as busy."""
         futures = [self._pool.submit(fn, r) for r in self.ranks]
+        wait(futures)
         results, errors = [], []
         for r, f in zip(self.ranks, futures, strict=True):
             try:

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from textual.app import App, SystemCommand
+from textual.app import App
 from textual.binding import Binding
 from textual.screen import Screen
 
@@ -66,7 +66,6 @@ class CpchatApp(App[int]):
     def get_system_commands(self, screen: Screen):
         yield from super().get_system_commands(screen)
         yield from self.chat.system_commands()
-        yield SystemCommand("Show help", "Keys, attachments and panels", self.action_help)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

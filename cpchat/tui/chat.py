@@ -122,6 +122,7 @@ class ChatScreen(Screen):
         self._preparing = False
         self._prefill_expected: float | None = None
         self._ring_steps: dict[int, RankStats] = {}
+        self._opened = ""  # a conversation opened before the ranks were ready: its cost is still to say
         self.prefs_path = self.store.directory.parent / "tui.json"
         self.set_reactive(ChatScreen.panels, load_panels(self.prefs_path))
 
@@ -213,6 +214,9 @@ class ChatScreen(Screen):
         backend = self.backend
         if backend.cluster is not None and backend.tokenizer is not None:
             backend.session_for([SessionMessage(e.role, e.content, e.docs) for e in self.entries])
+            if self._opened:
+                self.announce_history_cost(self._opened)
+                self._opened = ""
             self.follow_stats(backend.cluster)
             self.count_tokens([c for c in self.query(AttachmentChip) if c.tokens is None])
 
@@ -596,13 +600,13 @@ class ChatScreen(Screen):
     # ---- palette actions
 
     def system_commands(self) -> Iterator[SystemCommand]:
-        """The palette's commands for this screen, from the command table (the app adds its own)."""
+        """The palette's commands, from the command table (the app adds Textual's own)."""
         for command in COMMANDS:
             if command.name == "algorithm":  # one entry per choice: the palette takes no argument
                 for algorithm in ALGORITHMS:
                     yield SystemCommand(f"Algorithm: {algorithm}", f"Use {algorithm} for the ring from the "
                                         "next turn", lambda a=algorithm: self.action_set_algorithm(a))
-            elif command.name != "help":
+            else:
                 yield SystemCommand(command.title, command.help, lambda c=command: self.run_command(c))
 
     def action_set_algorithm(self, algorithm: str = "") -> None:
@@ -740,7 +744,8 @@ class ChatScreen(Screen):
             session.attach(session.cluster)  # the ranks hold another conversation, or none
             self.announce_history_cost(path.stem)
         else:
-            self.notify(f"Opened {path.stem} ({len(entries)} messages).")
+            self._opened = path.stem  # announced once the ranks are ready
+
 
     @work(thread=True, group="prepare", exit_on_error=False)
     def announce_history_cost(self, name: str) -> None:
