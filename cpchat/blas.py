@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import shutil
 import sys
@@ -46,8 +47,10 @@ class BlasInfo:
         return " ".join(filter(None, [self.name, self.version]))
 
 
-def openblas_paths() -> list[Path]:
-    """Where distributions put OpenBLAS (Debian/Ubuntu, Fedora, Arch), then the linker's cache."""
+@functools.cache
+def openblas_paths() -> tuple[Path, ...]:
+    """Where distributions put OpenBLAS (Debian/Ubuntu, Fedora, Arch), then the linker's cache
+    (asked once: find_library runs ldconfig)."""
     arch = sysconfig.get_config_var("MULTIARCH") or f"{os.uname().machine}-linux-gnu"
     paths = [Path(f"/usr/lib/{arch}/openblas-{v}/libopenblas.so.0") for v in ("pthread", "openmp", "serial")]
     paths += [Path("/usr/lib64/libopenblasp.so.0"), Path("/usr/lib64/libopenblas.so.0"),
@@ -55,7 +58,7 @@ def openblas_paths() -> list[Path]:
     found = ctypes.util.find_library("openblas")
     if found:
         paths.append(Path(found) if os.path.isabs(found) else Path(f"/usr/lib/{arch}") / found)
-    return paths
+    return tuple(paths)
 
 
 def mkl_paths() -> list[Path]:
@@ -97,7 +100,7 @@ def preload_environment(choice: str, env: dict[str, str] | None = None) -> dict[
     """`env` (default: ours) with the chosen BLAS preloaded and any other known one removed."""
     env = dict(os.environ if env is None else env)
     _, path = choose(choice)
-    known = {str(p) for p in openblas_paths() + mkl_paths()}
+    known = {str(p) for p in (*openblas_paths(), *mkl_paths())}
     kept = [p for p in env.get("LD_PRELOAD", "").split() if p not in known]
     preload = " ".join(([str(path)] if path else []) + kept)
     if preload:

@@ -154,4 +154,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    try:
+        code = main()
+    except BrokenPipeError:  # whoever read our stdout has gone (`cpchat --list | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and no second error at exit
+        code = EXIT_OK
+    sys.exit(code)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -132,9 +131,6 @@ def run_headless(args: argparse.Namespace, options: ClusterOptions) -> int:
     except KeyboardInterrupt:
         out.error("interrupted")
         return 130
-    except BrokenPipeError:  # whoever read our stdout has gone (`| head`): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
     finally:
         if cluster is not None:
             cluster.close()

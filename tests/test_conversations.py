@@ -378,3 +378,14 @@ def test_list_does_not_load_the_tui(data_home, chats):
                                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert done.returncode == 0, done.stderr
     assert "20231114-100000-11" in done.stdout
+
+
+def test_a_reader_that_goes_away_ends_the_listing_quietly(data_home):
+    """`cpchat --list | head -0`: stdout's reader is gone before the first line; exit 0, no traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    env = {**os.environ, "XDG_DATA_HOME": str(data_home.parents[1])}
+    done = subprocess.run([sys.executable, "-m", "cpchat", "--list"], stdout=write, stderr=subprocess.PIPE,
+                          text=True, timeout=120, env=env)
+    os.close(write)
+    assert done.returncode == 0 and done.stderr == ""

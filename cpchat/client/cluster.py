@@ -73,6 +73,11 @@ class RankHandle:
     def blas_label(self) -> str:
         return BlasInfo(self.blas.name, self.blas.version, self.blas.library).label if self.blas.name else ""
 
+    @property
+    def slow_blas(self) -> bool:
+        """A CPU rank on the reference BLAS: Health then carries the command that fixes it."""
+        return bool(self.blas.fix)
+
 
 @dataclass
 class RankResult:
@@ -224,7 +229,7 @@ class Cluster:
 
     def slow_blas_warning(self) -> str | None:
         """One line for ranks whose CPU products run on the reference BLAS, with the fix."""
-        slow = [r for r in self.ranks if r.blas.fix]
+        slow = [r for r in self.ranks if r.slow_blas]
         if not slow:
             return None
         if len(slow) == self.size and self.is_local:
@@ -492,6 +497,6 @@ def _rank_stats(r: RankHandle, s: pb.RankStats) -> RankStats:
         rank=r.rank, address=r.address, state=s.state, kv_tokens=s.kv_tokens, kv_bytes=s.kv_bytes,
         rss_bytes=s.rss_bytes, mlx_active_bytes=s.mlx_active_bytes, mlx_peak_bytes=s.mlx_peak_bytes,
         peak_rss_bytes=s.peak_rss_bytes, algorithm=s.algorithm, blas=r.blas_label,
-        slow_blas=bool(r.blas.fix),
+        slow_blas=r.slow_blas,
         ring_steps=[RingStep(t.layer, t.step, t.compute_ms, t.wait_ms, t.bytes_sent) for t in s.ring_steps],
     )

@@ -102,12 +102,14 @@ class Session:
 
     # ---- prompt construction
 
+    def _chat(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
     def _prompt_tokens(self, content: str) -> list[int]:
         """The conversation so far plus a user message with `content`, as token ids."""
         if self.raw:
             return self.raw_history + list(self.tokenizer.encode(content, add_special_tokens=False))
-        chat = [{"role": m.role, "content": m.content} for m in self.messages]
-        chat.append({"role": "user", "content": content})
+        chat = [*self._chat(), {"role": "user", "content": content}]
         return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True))
 
     def _kept(self, full: list[int]) -> int:
@@ -129,13 +131,11 @@ class Session:
         if self.raw:
             tokens = list(self.raw_history)
         else:
-            chat = [{"role": m.role, "content": m.content} for m in self.messages]
+            chat = self._chat()
             tokens = list(self.tokenizer.apply_chat_template(chat)) if chat else []
-        cost = self.cluster.prefill_cost
-        if not tokens or cost is None or not cost.per_token_s:
-            return len(tokens), None
-        keep = min(common_prefix(self.held, tokens), len(tokens))
-        return len(tokens), cost.seconds(len(tokens) - keep, keep, self.cluster.size)
+        if not tokens:
+            return 0, None
+        return len(tokens), self._prefill_seconds(tokens, min(common_prefix(self.held, tokens), len(tokens)))
 
     def new_tokens(self, turn: Turn) -> int:
         """The prompt tokens the ranks do not hold yet: what its prefill computes."""
@@ -143,11 +143,13 @@ class Session:
 
     def prefill_estimate_s(self, turn: Turn) -> float | None:
         """Seconds the turn's prefill should take, from the ranks' calibration (None: not measured)."""
+        return self._prefill_seconds(turn.tokens, self._kept(turn.tokens))
+
+    def _prefill_seconds(self, tokens: list[int], keep: int) -> float | None:
         cost = self.cluster.prefill_cost
         if cost is None or not cost.per_token_s:
             return None
-        keep = self._kept(turn.tokens)
-        return cost.seconds(len(turn.tokens) - keep, keep, self.cluster.size)
+        return cost.seconds(len(tokens) - keep, keep, self.cluster.size)
 
     def choose_algorithm(self, new_tokens: int, cached_tokens: int) -> AlgorithmChoice:
         m = self.cluster.model

@@ -71,6 +71,16 @@ WORK_LABELS = {"download": "Downloading model, MiB", "connect": "Starting ranks"
                "load": "Loading model on ranks", "prefill": "Prefill, tokens"}
 
 
+def shown(entry: Entry) -> ChatMessage:
+    """A saved or sent message as the transcript shows it."""
+    return ChatMessage(entry.role, entry.text or "*(documents only)*", entry.docs)
+
+
+def as_sent(entries: list[Entry]) -> list[SessionMessage]:
+    """The messages as the model saw them, for a session that goes on with them."""
+    return [SessionMessage(e.role, e.content, e.docs) for e in entries]
+
+
 class ChatScreen(Screen):
     """`cluster`/`model_path` inject a running, loaded cluster (tests); otherwise the screen
     launches or attaches its own from `options`. `resume` is a saved conversation to go on with.
@@ -191,7 +201,7 @@ class ChatScreen(Screen):
     def _ready_message(self, description: str = "") -> BackendReady:
         cluster = self.backend.cluster
         assert cluster is not None and cluster.model is not None
-        ranks = [RankInfo(r.rank, r.address, r.blas_label, bool(r.blas.fix)) for r in cluster.ranks]
+        ranks = [RankInfo(r.rank, r.address, r.blas_label, r.slow_blas) for r in cluster.ranks]
         return BackendReady(cluster.model, ranks, description, cluster.slow_blas_warning())
 
     async def on_backend_ready(self, message: BackendReady) -> None:
@@ -213,7 +223,7 @@ class ChatScreen(Screen):
                         severity="warning", timeout=30)
         backend = self.backend
         if backend.cluster is not None and backend.tokenizer is not None:
-            backend.session_for([SessionMessage(e.role, e.content, e.docs) for e in self.entries])
+            backend.session_for(as_sent(self.entries))
             if self._opened:
                 self.announce_history_cost(self._opened)
                 self._opened = ""
@@ -372,7 +382,7 @@ class ChatScreen(Screen):
         transcript = self.query_one(Transcript)
         self._answer = ChatMessage("assistant", "")
         self._answer.add_class("-streaming")
-        question = ChatMessage("user", entry.text or "*(documents only)*", entry.docs)
+        question = shown(entry)
         await transcript.mount_all([question, self._answer])
         self._stream = Markdown.get_stream(self._answer)
         self._answer_text, self._tokens, self._cancelled = "", 0, False
@@ -443,11 +453,10 @@ class ChatScreen(Screen):
             if message.error:
                 answer.border_subtitle = "interrupted"
                 answer.add_class("-error")
+        # A failed turn without an answer keeps its user message on screen (the client dropped it
+        # from the model's history).
         if self._answer_text or message.done is not None:
             self.entries.append(Entry("assistant", self._answer_text))
-        elif self.entries and self.entries[-1].role == "user" and message.error:
-            # the client dropped the failed user turn; keep it on screen, not in the model's history
-            pass
         if message.done is not None:
             done = message.done
             panel = self.query_one(ThroughputPanel)
@@ -732,15 +741,14 @@ class ChatScreen(Screen):
             return
         transcript = self.query_one(Transcript)
         await transcript.remove_children()
-        await transcript.mount_all(ChatMessage(e.role, e.text or "*(documents only)*", e.docs)
-                                   for e in entries)
+        await transcript.mount_all(shown(e) for e in entries)
         self.entries = entries
         self.store.path = path
         if self.model is not None:
             self.store.set_model(self.model.name)
         session = self.backend.session
         if session is not None:
-            session.messages = [SessionMessage(e.role, e.content, e.docs) for e in entries]
+            session.messages = as_sent(entries)
             session.attach(session.cluster)  # the ranks hold another conversation, or none
             self.announce_history_cost(path.stem)
         else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -179,9 +178,6 @@ def format_conversations(summaries: list[ConversationSummary]) -> str:
 def print_conversations(directory: Path) -> int:
     """`cpchat --list`: the table on stdout, or one line when there is nothing saved; exit status 0."""
     summaries = list_conversations(directory)
-    try:
-        print(format_conversations(summaries) if summaries else f"no saved conversations in {directory}",
-              flush=True)
-    except BrokenPipeError:  # `cpchat --list | head`: the reader has all it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    table = format_conversations(summaries) if summaries else f"no saved conversations in {directory}"
+    print(table, flush=True)  # a reader that has gone (`| head`) is seen here, not at exit
     return 0

@@ -44,10 +44,10 @@ class Entry:
 class TranscriptStore:
     """Appends to one .jsonl file under <data dir>/transcripts; thread-safe."""
 
-    def __init__(self, directory: Path, path: Path | None = None, model: str = "") -> None:
+    def __init__(self, directory: Path, path: Path | None = None) -> None:
         self.directory = directory
         self.path = path or directory / time.strftime(f"%Y%m%d-%H%M%S-{os.getpid()}.jsonl")
-        self.model = model
+        self.model = ""  # set_model
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[Path, dict | None]] = queue.Queue()
         self._writer: threading.Thread | None = None
