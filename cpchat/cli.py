@@ -10,6 +10,7 @@ import sys
 from cpchat import EXIT_OK, EXIT_USAGE, __version__, blas
 from cpchat.client.cluster import BadInput
 from cpchat.client.connect import ClusterOptions, read_bytes, read_token
+from cpchat.core.heuristics import ALGORITHMS
 
 
 def app_parser() -> argparse.ArgumentParser:
@@ -26,7 +27,8 @@ def app_parser() -> argparse.ArgumentParser:
     ring.add_argument("--hostfile", metavar="FILE", help="one host:port per line, '#' comments")
     p.add_argument("--token-file", metavar="FILE", help="shared secret for ranks reached over a network")
     p.add_argument("--tls-ca", metavar="FILE", help="CA certificate to verify ranks' TLS certificates")
-    p.add_argument("--algorithm", choices=["auto", "pass_kv", "pass_q"], default=None)
+    p.add_argument("--algorithm", choices=ALGORITHMS, default=None,
+                   help="how attention crosses the ranks; auto (default) picks the least estimated time")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temp", type=float, default=None, help="sampling temperature; 0 is greedy")
     p.add_argument("--top-p", type=float, default=None)

@@ -1,7 +1,7 @@
 """mlx-lm's catalogue through real ranks: every model type whose attention is softmax attention
 over RoPE'd keys runs exactly as mlx-lm's own single-process generation (tokens, and logprobs
-within 1e-3), through 2 ranks with pass-KV and 3 ranks with pass-Q, with prompts long enough to
-cross the sliding windows; what does not fit is refused by name with the reason."""
+within 1e-3), through 2 ranks with pass-KV, 3 with pass-Q and all-gather and 4 with Ulysses, with
+prompts long enough to cross the sliding windows; what does not fit is refused by name with the reason."""
 
 import pytest
 from helpers import next_turn, random_prompt, raw_session, reference_generate, run_raw
@@ -36,7 +36,8 @@ def variant_dir(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("ranks, algorithm", [(2, "pass_kv"), (3, "pass_q")])
+@pytest.mark.parametrize("ranks, algorithm",
+                         [(2, "pass_kv"), (3, "pass_q"), (3, "all_gather"), (4, "ulysses")])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_architecture_matches_mlx_lm(clusters, variant_dir, name, ranks, algorithm):
     path = variant_dir(name)
@@ -70,7 +71,7 @@ def test_a_mask_made_by_the_model_is_refused():
     from cpchat.rank.kvstore import KVShard
     from cpchat.rank.ring import Mailbox, Ring
 
-    ring_pass = RingPass("r", "pass_kv", Ring(0, 1, None, Mailbox(lambda f, n: None)), KVShard(1), 0,
+    ring_pass = RingPass("r", "pass_kv", Ring(0, 1, {}, Mailbox(lambda f, n: None)), KVShard(1), 0,
                          np.arange(2), np.ones(2, bool), True, threading.Event(), windows=[None])
     q = mx.zeros((1, 2, 2, 8))
     attention = ring_attention(lambda *a, **k: None)
@@ -97,7 +98,9 @@ def test_sliding_layers_forget_old_keys_and_turns_stay_exact(clusters, variant_d
     cluster = clusters.get(3, path)
     session = raw_session(cluster, path, "auto", MAX_TOKENS)
     history: list[int] = []
-    for turn, length in enumerate((90, 30, 7)):
+    turns = zip((90, 30, 7), ("ulysses", "all_gather", "auto"), strict=True)
+    for turn, (length, algorithm) in enumerate(turns):
+        session.algorithm = algorithm
         new = random_prompt(path, length, seed=300 + turn)
         got, events = next_turn(session, new)
         history += new

@@ -1,6 +1,7 @@
 """`cpchat bench` end to end on a tiny configuration: it writes its table, JSON and chart."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -54,3 +55,51 @@ def test_bench_writes_results(tmp_path, model_dir):
                           text=True, timeout=120).stdout.strip()
     assert used and {row["blas"] for row in data["rows"]} == {used}
     assert f"| cpchat N=2 | {used} | 128 |" in table
+
+
+def test_bench_compares_algorithms(tmp_path):
+    """--algorithms: every algorithm's TTFT per (model, N, context) cell, auto's pick and gap, decode
+    over both exchanges, and each link's latency; on a GQA (4:1) and an MHA (4:4) model."""
+    out = tmp_path / "algorithms"
+    result = subprocess.run(
+        [sys.executable, "-m", "cpchat", "bench", "--hidden", "64", "--layers", "2", "--heads", "4",
+         "--kv-heads", "1,4", "--contexts", "64", "--ranks", "1,2", "--repeats", "1", "--decode", "4",
+         "--algorithms", "all", "--decode-exchange", "exchange,ring", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},  # the random models go here
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads((out / "results.json").read_text())
+    models = {"bench-llama-h64-l2-a4-kv1": "4:1", "bench-llama-h64-l2-a4-kv4": "4:4"}
+    # prefill cells: N >= 2 only (on one rank every algorithm is the same computation)
+    assert {(c["variant"]["model"], c["ranks"], c["context"]) for c in data["prefill"]} == {
+        (m, 2, 64) for m in models
+    }
+    algorithms = ("pass_kv", "pass_q", "all_gather", "ulysses", "auto")
+    for cell in data["prefill"]:
+        assert set(cell["ttft_ms"]) == set(algorithms)
+        assert all(cell["best_ttft_ms"][a] > 0 for a in algorithms)
+        assert cell["auto_pick"] in algorithms[:4] and cell["fastest"] in algorithms[:4]
+        assert set(cell["estimates_ms"]) == set(algorithms[:4])
+        assert cell["auto_gap_pct"] >= 0
+        assert cell["auto_ran"] == [cell["auto_pick"]] and cell["auto_consistent"]
+    assert {(r["variant"]["model"], r["ranks"], r["exchange"]) for r in data["decode"]} == {
+        (m, n, e) for m in models for n in (1, 2) for e in ("exchange", "ring")
+    }
+    for row in data["decode"]:
+        assert row["context"] == 64 and row["best_ms_per_token"] > 0
+    assert [(lat["variant"]["model"], lat["ranks"]) for lat in data["latency"]] == [(m, 2) for m in models]
+    for lat in data["latency"]:
+        links = lat["link_us"]
+        assert len(links) == 2 and all(links[i][j] > 0 for i in range(2) for j in range(2) if i != j)
+        assert lat["exchange_us"] > 0
+    table = (out / "results.md").read_text()
+    assert "Command: `cpchat bench --hidden 64 " in table and "; BLAS: " in table and " cores" in table
+    for model, heads in models.items():
+        assert f"| {model} | {heads} | 2 | 64 | " in table  # a prefill row
+        assert f"| {model} | {heads} | 1 | 64 | " in table  # a decode row for one rank
+    for heading in ("pass-KV", "pass-Q", "all-gather", "Ulysses", "auto gap", "exchange ms/token",
+                    "ring ms/token", "from \\ to"):
+        assert heading in table

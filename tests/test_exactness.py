@@ -13,6 +13,7 @@ from helpers import (
 )
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ALGORITHMS = ("pass_kv", "pass_q", "all_gather", "ulysses", "auto")
 MAX_TOKENS = 8
 
 
@@ -30,7 +31,7 @@ def test_short_prompts_all_algorithms(clusters, model_dir, arch, ranks):
     for length in (1, 5, 2 * ranks * 3 + 1):
         ids = random_prompt(path, length, seed=length)
         expected = reference_generate(path, ids, MAX_TOKENS)
-        for algorithm in ("pass_kv", "pass_q", "auto"):
+        for algorithm in ALGORITHMS:
             cluster.reset(0)
             got, events, session = run_raw(cluster, path, ids, algorithm, MAX_TOKENS)
             assert_same(got, expected)
@@ -38,7 +39,7 @@ def test_short_prompts_all_algorithms(clusters, model_dir, arch, ranks):
             assert used == (session.last_choice.algorithm if algorithm == "auto" else algorithm)
 
 
-@pytest.mark.parametrize("algorithm", ["pass_kv", "pass_q"])
+@pytest.mark.parametrize("algorithm", ["pass_kv", "pass_q", "all_gather", "ulysses"])
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_two_thousand_token_prompt(clusters, model_dir, arch, ranks, algorithm):
@@ -88,3 +89,40 @@ def test_follow_up_turns_prefill_only_new_tokens(clusters, model_dir, algorithm)
         prefill = prefill_event(events)
         assert prefill.cached_tokens == (0 if turn == 0 else len(history) - length - 1)
         history += [t for t, _ in tokens]
+
+
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_turns_mix_every_algorithm(clusters, model_dir, ranks):
+    """A pass-KV first turn, an all-gather second, a Ulysses third and a pass-Q fourth share one
+    sharded cache and equal one single-process run over the whole history."""
+    path = model_dir("qwen2")
+    cluster = clusters.get(ranks, path)
+    session = raw_session(cluster, path, "pass_kv", 6)
+    history: list[int] = []
+    for turn, (algorithm, length) in enumerate(zip(ALGORITHMS[:4], (300, 41, 90, 1), strict=True)):
+        session.algorithm = algorithm
+        new = random_prompt(path, length, seed=200 + turn)
+        tokens, events = next_turn(session, new)
+        history += new
+        assert_same(tokens, reference_generate(path, history, 6))
+        assert prefill_event(events).algorithm == algorithm
+        history += [t for t, _ in tokens]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_decode_over_the_ring_equals_decode_in_one_exchange(clusters, model_dir, ranks):
+    """Both ways of sharing a decode step's partial outputs give mlx-lm's tokens; the stats name
+    the exchange that ran, and the ring variant takes N-1 hops per layer where the exchange takes one."""
+    path = model_dir("mistral")
+    cluster = clusters.get(ranks, path)
+    ids = random_prompt(path, 123, seed=5)
+    expected = reference_generate(path, ids, MAX_TOKENS)
+    for decode, steps in (("ring", ranks), ("exchange", 2)):
+        cluster.reset(0)
+        session = raw_session(cluster, path, "pass_kv", MAX_TOKENS)
+        session.decode = decode
+        tokens, _ = next_turn(session, ids)
+        assert_same(tokens, expected)
+        stats = cluster.stats_once()
+        assert {s.algorithm for s in stats} == {f"decode_{decode}"}
+        assert {len({t.step for t in s.ring_steps}) for s in stats} == {steps}

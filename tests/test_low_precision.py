@@ -53,7 +53,7 @@ def test_checkpoint_forms_through_ranks(clusters, checkpoint, form, ranks):
     path = checkpoint(form)
     cluster = clusters.get(ranks, path)
     ids, _ = question_ids(path, seed=1)
-    for algorithm in ("pass_kv", "pass_q"):
+    for algorithm in ("pass_kv", "pass_q", "all_gather", "ulysses"):
         cluster.reset(0)
         got, _, _ = run_raw(cluster, path, ids, algorithm, MAX_TOKENS)
         assert_within_noise(path, ids, got)
@@ -61,8 +61,8 @@ def test_checkpoint_forms_through_ranks(clusters, checkpoint, form, ranks):
 
 @pytest.mark.parametrize("form", ["bfloat16", "q4g64"])
 def test_follow_up_turns_in_low_precision(clusters, checkpoint, form):
-    """Three questions about one document through 3 ranks, each later turn prefilling only its new
-    tokens, equal mlx-lm over the whole conversation."""
+    """Three questions about one document through 3 ranks (all-gather, then Ulysses, then auto), each
+    later turn prefilling only its new tokens, equal mlx-lm over the whole conversation."""
     path = checkpoint(form)
     cluster = clusters.get(3, path)
     _, tokenizer = reference_model(path)
@@ -71,7 +71,8 @@ def test_follow_up_turns_in_low_precision(clusters, checkpoint, form):
     turns = [ids] + [tokenizer.encode(f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n",
                                       add_special_tokens=False) for q in questions]
     history: list[int] = []
-    for new in turns:
+    for new, algorithm in zip(turns, ("all_gather", "ulysses", "auto"), strict=True):
+        session.algorithm = algorithm
         got, _ = next_turn(session, new)
         history += new
         assert_within_noise(path, history, got)

@@ -129,7 +129,7 @@ def test_oversized_message_is_refused(secured):
 
 # ---------------------------------------------------------------- property tests
 
-VALID_KINDS = {pb.KV, pb.QUERY, pb.PARTIAL, pb.TOKEN, pb.PROBE}
+VALID_KINDS = {pb.KV, pb.QUERY, pb.PARTIAL, pb.TOKEN, pb.PROBE, pb.GATHER, pb.HEADS, pb.OUTPUT}
 MUTATIONS = {
     "dtype": st.text(max_size=12).filter(lambda d: d not in DTYPES).map(lambda d: {"dtype": d}),
     "bytes": st.tuples(st.lists(st.integers(0, 16), min_size=1, max_size=4), st.integers(-8, 8).filter(bool))
@@ -139,7 +139,8 @@ MUTATIONS = {
         lambda s: {"shape": s, "data": b""}),
     "layer": st.integers(2, (1 << 32) - 1).map(lambda v: {"layer": v}),  # the model has 2 layers
     "step": st.integers(2, (1 << 32) - 1).map(lambda v: {"step": v}),  # the ring has 2 ranks
-    "source_rank": st.integers(2, (1 << 32) - 1).map(lambda v: {"source_rank": v}),
+    # rank 0 itself, or outside the ring of 2
+    "source_rank": st.one_of(st.just(0), st.integers(2, (1 << 32) - 1)).map(lambda v: {"source_rank": v}),
     "ring_id": st.text(max_size=40).map(lambda v: {"ring_id": v}),  # never the cluster's uuid hex
     "kind": st.integers(0, 1000).filter(lambda k: k not in VALID_KINDS).map(lambda v: {"kind": v}),
     "tensor_count": st.sampled_from([0, 9, 1000]).map(lambda v: {"tensor_count": v}),

@@ -1,6 +1,8 @@
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from cpchat.core.sharding import head_tail_layout, head_tail_positions, owner_of, padded_length
+from cpchat.core.sharding import head_split, head_tail_layout, head_tail_positions, owner_of, padded_length
 
 
 @pytest.mark.parametrize("n", range(1, 9))
@@ -38,3 +40,28 @@ def test_layout_rows_are_chunks_i_and_mirror():
 def test_bad_arguments_name_the_problem(args, message):
     with pytest.raises(ValueError, match=message):
         head_tail_positions(*args)
+
+
+@given(kv_heads=st.integers(1, 16), group=st.integers(1, 8), ranks=st.integers(1, 40))
+def test_ulysses_head_split_covers_every_query_head_once_with_its_key_head(kv_heads, group, ranks):
+    q_heads = kv_heads * group
+    shares = head_split(q_heads, kv_heads, ranks)
+    assert len(shares) == ranks
+    assert [h for s in shares for h in range(s.start, s.stop)] == list(range(q_heads))
+    sizes = [s.stop - s.start for s in shares]
+    assert max(sizes) - min(sizes) <= 1
+    for s in shares:
+        keys = list(s.kv_index)
+        if s.whole_groups:  # a query group stays whole: its key heads once each, as GQA
+            assert keys == list(range(s.start // group, s.stop // group))
+        else:  # one key head per query head: the head each query reads in the model
+            assert keys == [h // group for h in range(s.start, s.stop)]
+
+
+def test_a_group_cut_between_ranks_sends_its_key_head_to_both():
+    shares = head_split(4, 2, 4)  # the test models' heads over 4 ranks
+    assert [list(s.kv_index) for s in shares] == [[0], [0], [1], [1]]
+    assert not any(s.whole_groups for s in shares)
+    assert [s.whole_groups for s in head_split(4, 2, 2)] == [True, True]
+    with pytest.raises(ValueError):
+        head_split(6, 4, 2)

@@ -34,7 +34,9 @@ SIZE = (140, 44)
 MODEL = ModelInfo("demo-model", "llama", 4, 4, 2, 512, 4, 131072)
 RANKS = [RankInfo(0, "127.0.0.1:7070"), RankInfo(1, "127.0.0.1:7071")]
 DOC_TEXT = "Chapter 1\n\nThe vault code is 4812-KX.\n" * 300
-CHOICE = AlgorithmChoice("pass_kv", False, 9120, 0, 1.0, 0.5, 4096.0, "miss rate 1.000 >= 0.500")
+CHOICE = AlgorithmChoice("pass_kv", False, 9120, 0, 1.0,
+                         {"pass_kv": 812.0, "pass_q": 1460.0, "all_gather": 845.0, "ulysses": 930.0},
+                         "least estimated: pass-KV 812 ms, all-gather 845 ms", 9.1e8, 1.2, 1.6)
 ANSWER = (
     "The document says the vault code is **4812-KX**. It appears in every chapter:\n\n"
     "| chapter | code |\n|---|---|\n| 1 | 4812-KX |\n\n"

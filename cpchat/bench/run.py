@@ -27,6 +27,7 @@ from cpchat.client.events import Done, Prefill
 from cpchat.client.launcher import rank_environment
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.client.settings import REPO_ASSETS, cache_dir
+from cpchat.core.heuristics import ALGORITHMS
 from cpchat.protocol import cpchat_pb2 as pb
 
 MB = 1 << 20
@@ -62,14 +63,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="mlx-lm model directory (default: a random llama of --hidden/--layers)")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, help="query heads (default hidden/64); a quarter as many KV heads")
+    p.add_argument("--heads", type=int, help="query heads (default hidden/64)")
+    p.add_argument("--kv-heads", metavar="LIST",
+                   help="KV heads of the random model (default: a quarter of the query heads); with "
+                        "--algorithms a comma list, one model each (e.g. 4,16 for GQA and MHA)")
     p.add_argument("--form", default="float32",
                    help="convert the model with mlx_lm.convert: bfloat16, float16, q4g64 (bits, group size)")
     p.add_argument("--contexts", default="1024,2048,4096,8192,16384", help="comma-separated prompt lengths")
     p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
     p.add_argument("--decode", type=int, default=16, help="tokens to generate per run")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--algorithm", default="pass_kv", choices=["auto", "pass_kv", "pass_q"])
+    p.add_argument("--algorithm", default="pass_kv", choices=list(ALGORITHMS))
+    p.add_argument("--algorithms", metavar="LIST",
+                   help="compare prefill algorithms instead of mlx-lm: a comma list of "
+                        "pass_kv,pass_q,all_gather,ulysses,auto, or all")
+    p.add_argument("--decode-exchange", default="exchange", metavar="LIST",
+                   help="with --algorithms: decode exchanges to time, a comma list of exchange,ring")
     p.add_argument("--pin", action="store_true", help="pin rank i to core i (and mlx-lm to core 0)")
     p.add_argument("--blas", default="auto",
                    help="comma-separated BLAS runs, each of auto (the fastest installed; default), openblas, "
@@ -105,8 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.hidden, args.layers, args.contexts, args.ranks = 256, 4, "512,1024", "1,2"
         args.repeats, args.decode, args.transport = 1, 8, "1,16"
-    model = str(in_form(Path(args.model) if args.model else bench_model(args.hidden, args.layers, args.heads),
-                        args.form))
+    if args.algorithms:
+        if len(blas_modes) > 1:
+            print("cpchat bench: --algorithms runs one BLAS; compare BLAS without it", file=sys.stderr)
+            return 2
+        from cpchat.bench.algorithms import run_comparison  # it imports this module
+
+        args.blas_choice = blas_modes[0]
+        return run_comparison(args, command_line(argv))
+    kv_heads = int(args.kv_heads) if args.kv_heads and args.kv_heads.isdigit() else None
+    if args.kv_heads and kv_heads is None:
+        print("cpchat bench: several --kv-heads need --algorithms", file=sys.stderr)
+        return 2
+    model = str(in_form(Path(args.model) if args.model
+                        else bench_model(args.hidden, args.layers, args.heads, kv_heads), args.form))
     contexts = [int(c) for c in args.contexts.split(",") if c]
     ranks = [int(n) for n in args.ranks.split(",") if n]
     rows: list[Row] = []
@@ -123,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     write_report(out, rows, transport, args, model, time.time() - started)
     print(f"wrote {out / 'results.md'}", file=sys.stderr)
     return 0
+
+
+def command_line(argv: list[str] | None) -> str:
+    """The command as typed, for the report."""
+    if argv is None:
+        argv = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
+    return ("cpchat bench " + shlex.join(argv)).strip()
 
 
 def blas_choices(text: str) -> list[str]:
@@ -185,12 +213,15 @@ def ring_bandwidth(cluster: Cluster, probe_bytes: int, rounds: int = 3) -> float
     return min(c.result().ring_bytes_per_s for c in calls)
 
 
-def bench_model(hidden: int, layers: int, heads: int | None = None) -> Path:
-    """A random float32 llama (cached)."""
+def bench_model(hidden: int, layers: int, heads: int | None = None, kv_heads: int | None = None) -> Path:
+    """A random float32 llama (cached); a quarter as many KV heads as query heads unless told."""
     from cpchat.smallmodels import write_model
 
     heads = heads or max(4, hidden // 64)
-    name = f"bench-llama-h{hidden}-l{layers}-a{heads}"
+    kv_heads = kv_heads or max(1, heads // 4)
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
+    name = f"bench-llama-h{hidden}-l{layers}-a{heads}-kv{kv_heads}"
     path = cache_dir() / name
     if not (path / "config.json").exists():
         write_model(
@@ -199,7 +230,7 @@ def bench_model(hidden: int, layers: int, heads: int | None = None) -> Path:
             hidden_size=hidden,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=max(1, heads // 4),
+            num_kv_heads=kv_heads,
             intermediate_size=hidden * 3,
         )
     return path

@@ -53,6 +53,8 @@ class ModelInfo:
     vocab_size: int
     bytes_per_element: int
     max_context: int
+    head_dim: int = 0
+    value_dim: int = 0
 
 
 @dataclass
@@ -139,6 +141,8 @@ class Cluster:
         self.model: ModelInfo | None = None
         self.flops_per_s = 0.0
         self.ring_bytes_per_s = 0.0
+        self.link_latency_s: list[list[float]] = []  # [from rank][to rank], one way
+        self.exchange_latency_s = 0.0
         self.prefill_cost: PrefillCost | None = None
         self.ring_id = ""
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(addresses)))
@@ -265,16 +269,29 @@ class Cluster:
 
         p = self._each(load_one)[0]
         self.model = ModelInfo(model, p.model_type, p.num_layers, p.num_q_heads, p.num_kv_heads,
-                               p.vocab_size, p.bytes_per_element, p.max_context)
+                               p.vocab_size, p.bytes_per_element, p.max_context, p.head_dim, p.value_dim)
+        self.calibrate()
+        return self.model
+
+    def calibrate(self) -> None:
+        """Measure every rank's speed and every link (the ranks run it together); the slowest
+        rank and link set the pace."""
         results = self._each(lambda r: r.control.Calibrate(pb.CalibrateRequest(), timeout=30,
                                                            metadata=self.metadata))
         self.flops_per_s = min(c.flops_per_s for c in results)
         self.ring_bytes_per_s = min(c.ring_bytes_per_s for c in results)
+        self.link_latency_s = [list(c.link_latency_s) for c in results]
+        self.exchange_latency_s = max(c.exchange_latency_s for c in results)
         # The slowest rank sets the pace.
         self.prefill_cost = PrefillCost(max(c.prefill_fixed_s for c in results),
                                         max(c.prefill_per_token_s for c in results),
                                         max(c.prefill_per_pair_s for c in results))
-        return self.model
+
+    @property
+    def hop_latency_s(self) -> float:
+        """The slowest ring link's latency (0 until measured)."""
+        n, lat = self.size, self.link_latency_s
+        return max((lat[r][(r + 1) % n] for r in range(n) if len(lat) == n and len(lat[r]) == n), default=0.0)
 
     def close(self) -> None:
         """Shut local ranks down (and wait for them); leave attached ranks running."""
@@ -449,6 +466,11 @@ class Cluster:
             if alive:
                 with contextlib.suppress(grpc.RpcError):
                     call.result()
+
+    def stats_once(self) -> list[RankStats]:
+        """Every rank's stats now, in rank order."""
+        return self._each(lambda r: _rank_stats(r, next(iter(r.control.Stats(
+            pb.StatsRequest(once=True), timeout=10, metadata=self.metadata)))))
 
     def stats(self, interval_s: float = 0.25, stop: threading.Event | None = None) -> Iterator[RankStats]:
         """Merge the ranks' stats streams into RankStats snapshots; ends when every stream does

@@ -33,6 +33,8 @@ class Prefill:
     cached_tokens: int
     algorithm: str
     ms: float
+    reason: str = ""  # why the algorithm ran: auto's least estimate, or forced
+    estimates_ms: dict[str, float] = field(default_factory=dict)  # auto's estimate for each algorithm
 
 
 @dataclass
@@ -113,13 +115,17 @@ class RankStats:
 
 @dataclass
 class AlgorithmChoice:
-    """Why the ring algorithm of the last prefill was chosen (for the Ring panel)."""
+    """Why the algorithm of the last prefill was chosen (for the Ring panel and the prefill event):
+    the cost model's estimate for each algorithm (cpchat/core/heuristics.py) and the quantities
+    behind them."""
 
     algorithm: str
     forced: bool
     new_tokens: int
     cached_tokens: int
-    miss_rate: float
-    miss_rate_threshold: float
-    token_threshold: float
+    miss_rate: float  # T / (T + P)
+    estimates_ms: dict[str, float]
     reason: str
+    link_bytes_per_s: float = 0.0
+    hop_latency_ms: float = 0.0
+    exchange_latency_ms: float = 0.0

@@ -21,10 +21,12 @@ from cpchat.client.events import (
     RankUsage,
     Token,
 )
-from cpchat.core.heuristics import explain_algorithm
+from cpchat.core.heuristics import Measured, Workload, choose_algorithm
 from cpchat.protocol import cpchat_pb2 as pb
 
 Event = Prefill | Progress | Token | Done
+WIRE_ALGORITHMS = {"pass_kv": pb.PASS_KV, "pass_q": pb.PASS_Q, "all_gather": pb.ALL_GATHER,
+                   "ulysses": pb.ULYSSES}
 PROGRESS_INTERVAL_S = 0.25  # prefill progress at most 4 times a second (and once at its end)
 
 
@@ -88,9 +90,11 @@ class Session:
         raw: bool = False,
         algorithm: str = "auto",
         sampling: SamplingOptions | None = None,
+        decode: str = "exchange",
     ) -> None:
         self.cluster, self.tokenizer, self.raw = cluster, tokenizer, raw
         self.algorithm = algorithm
+        self.decode = decode  # how decode steps exchange partial outputs: "exchange" (one step) or "ring"
         self.sampling = sampling or SamplingOptions()
         self.messages: list[Message] = []
         self.raw_history: list[int] = []  # --raw: every prompt and generated token so far
@@ -152,30 +156,34 @@ class Session:
         return cost.seconds(len(tokens) - keep, keep, self.cluster.size)
 
     def choose_algorithm(self, new_tokens: int, cached_tokens: int) -> AlgorithmChoice:
-        m = self.cluster.model
-        c = explain_algorithm(
-            new_tokens,
-            cached_tokens,
-            m.num_kv_heads,
-            m.num_q_heads,
-            self.cluster.size,
-            max(self.cluster.flops_per_s, 1.0),
-            max(self.cluster.ring_bytes_per_s, 1.0),
-            m.bytes_per_element,
-        )
+        """The session's algorithm, or under auto the one the cost model expects to be fastest."""
+        c = self.cluster
+        choice = choose_algorithm(self.workload(new_tokens, cached_tokens), self.measured())
         forced = self.algorithm != "auto"
-        algorithm = self.algorithm if forced else c.algorithm
-        reason = "forced by --algorithm" if forced else c.reason
         return AlgorithmChoice(
-            algorithm,
-            forced,
-            new_tokens,
-            cached_tokens,
-            c.miss_rate,
-            c.miss_rate_threshold,
-            c.token_threshold,
-            reason,
+            algorithm=self.algorithm if forced else choice.algorithm,
+            forced=forced,
+            new_tokens=new_tokens,
+            cached_tokens=cached_tokens,
+            miss_rate=new_tokens / (new_tokens + cached_tokens),
+            estimates_ms={name: round(1000 * s, 1) for name, s in choice.estimates_s.items()},
+            reason=f"forced by --algorithm {self.algorithm}" if forced else choice.reason,
+            link_bytes_per_s=c.ring_bytes_per_s,
+            hop_latency_ms=1000 * c.hop_latency_s,
+            exchange_latency_ms=1000 * c.exchange_latency_s,
         )
+
+    def workload(self, new_tokens: int, cached_tokens: int) -> Workload:
+        m = self.cluster.model
+        head_dim = m.head_dim or 64  # ranks older than the field: the model's own sizes are unknown
+        return Workload(new_tokens, cached_tokens, self.cluster.size, m.num_q_heads, m.num_kv_heads,
+                        head_dim, m.value_dim or head_dim, m.bytes_per_element, max(m.num_layers, 1))
+
+    def measured(self) -> Measured:
+        c = self.cluster
+        per_pair = c.prefill_cost.per_pair_s if c.prefill_cost and c.prefill_cost.per_pair_s else 1e-9
+        return Measured(per_pair, max(min(c.ring_bytes_per_s, 1e15), 1.0), c.hop_latency_s,
+                        c.exchange_latency_s)
 
     # ---- a turn
 
@@ -241,10 +249,11 @@ class Session:
         request = pb.GenerateRequest(
             keep_tokens=keep,
             tokens=new,
-            algorithm=pb.PASS_Q if choice.algorithm == "pass_q" else pb.PASS_KV,
+            algorithm=WIRE_ALGORITHMS[choice.algorithm],
             max_tokens=self.sampling.max_tokens if max_tokens is None else max_tokens,
             sampling=pb.Sampling(temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed),
             stop_tokens=sorted(self.tokenizer.eos_token_ids),
+            decode=pb.DECODE_RING if self.decode == "ring" else pb.DECODE_EXCHANGE,
         )
         self._cancel.clear()
         turn = self.turn_index
@@ -270,7 +279,8 @@ class Session:
                     yield Progress(turn, len(full), keep, len(new) * layer // layers,
                                    round(1000 * (now - t_start), 1))
             elif which == "prefill":
-                yield Prefill(turn, len(new), keep, choice.algorithm, round(event.prefill.ms, 1))
+                yield Prefill(turn, len(new), keep, choice.algorithm, round(event.prefill.ms, 1),
+                              choice.reason, choice.estimates_ms)
             elif which == "token":
                 t_last = time.perf_counter()
                 t_first = t_first or t_last

@@ -21,6 +21,7 @@ from pathlib import Path
 from cpchat import blas
 from cpchat.client.cluster import BadInput
 from cpchat.client.hub import is_hub_id
+from cpchat.core.heuristics import ALGORITHMS
 
 REPO_ASSETS = Path(__file__).resolve().parents[2] / "assets"
 INSTALLED_ASSETS = Path(__file__).resolve().parents[1] / "bundled"  # assets/ as the wheel maps it
@@ -83,8 +84,8 @@ def _set(settings: Settings, key: str, value: object, source: str) -> None:
         raise BadInput(
             f"setting {key} from {source}: {value!r} is not a valid {_CASTS[key].__name__}"
         ) from None
-    if key == "algorithm" and value not in ("auto", "pass_kv", "pass_q"):
-        raise BadInput(f"setting algorithm from {source}: {value!r} is not auto, pass_kv or pass_q")
+    if key == "algorithm" and value not in ALGORITHMS:
+        raise BadInput(f"setting algorithm from {source}: {value!r} is not {', '.join(ALGORITHMS)}")
     if key == "blas" and value not in blas.CHOICES:
         raise BadInput(f"setting blas from {source}: {value!r} is not {', '.join(blas.CHOICES)}")
     if key == "ranks" and value < 1:

@@ -1,87 +1,146 @@
-"""Choosing pass-KV or pass-Q (Meta, "Context Parallelism for Scalable
-Million-Token Inference", arXiv 2411.01783, section 3).
+"""Choosing how a prefill's attention crosses the ranks, from a cost model over measured quantities.
 
-With T new tokens, P cached, NKV / NH key-value / query heads, N ranks,
-per-rank compute C (FLOP/s), ring bandwidth BW (bytes/s), e bytes/element:
+The request: T new tokens after P cached ones, over N ranks; Hq / Hkv query / key-value heads of
+size D (keys) and Dv (values), e bytes per K/V element, L layers. Measured on the cluster when it
+forms: c, the seconds one rank spends on one query-key pair in all L layers together
+(`PrefillCost.per_pair_s`); B, the bytes per second of one link; α, the latency of one small
+message to a ring neighbour; α_x, that of one exchange (a small message to every other rank and
+one from each, at once). Per layer:
 
-    pass-KV  if  T / (T + P) >= 2 * NKV / NH                (KV is smaller than Q)
-         or  if  T >= N * C * NKV * e / (2 * NH * BW)       (KV transfer hides behind compute)
-    pass-Q   otherwise.
+    A = T (T + 1) / 2 + T P          query-key pairs of causal attention, all ranks together
+    C = A c / (L N)                  one rank's attention compute
+    K = (T + P) / N · Hkv (D + Dv) e one rank's keys and values
+    Q = T / N · Hq D e               one rank's queries
+    O = T / N · Hq (Dv + 1) · 4      one rank's partial outputs and log-sum-exps (float32)
 
-Decode (one new token with a cache) is always pass-Q.
+    pass-KV     C/N + (N-1) · max(C/N, α + K/B)       N-1 hops; each send hides behind one block's compute
+    pass-Q      C + N · (α + (Q + O)/B)               queries and running outputs go round, hop after hop
+    all-gather  max(C/N, α_x + (N-1) K/B) + (N-1) C/N own block while every other block arrives at once
+    Ulysses     u C + 2 α_x + (N-1)/N · (Q + Ku + O)/B two all-to-alls; u = ceil(Hq/N) N / Hq for an
+                                                      uneven head split, Ku the K/V sent (Hkv heads, or
+                                                      Hq when a query group is cut between ranks)
+
+and a prefill's estimate is L times its layer. Decode (one new token after a cache) exchanges
+only partial outputs, S = Hq (Dv + 1) · 4 bytes per rank: over the ring (N-1)(α + S/B) per layer,
+in one exchange α_x + (N-1) S/B.
+
+Meta's rule (arXiv 2411.01783, section 3) is this model restricted to pass-KV and pass-Q:
+pass-KV when T/(T+P) ≥ 2 Hkv/Hq (then K ≤ Q, so every pass-KV hop costs less than a pass-Q one)
+or when T is large enough that one block's transfer hides behind one block's compute (K/B ≤ C/N,
+then pass-KV costs C, the least any algorithm can); with α = 0 the model picks pass-KV in both
+cases (tests/test_heuristics.py checks it).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal
 
-Algorithm = Literal["pass_kv", "pass_q"]
+PREFILL_ALGORITHMS = ("pass_kv", "pass_q", "all_gather", "ulysses")
+ALGORITHMS = ("auto", *PREFILL_ALGORITHMS)
+DECODE_EXCHANGES = ("exchange", "ring")
+NAMES = {"pass_kv": "pass-KV", "pass_q": "pass-Q", "all_gather": "all-gather", "ulysses": "Ulysses"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One request's shape."""
+
+    new_tokens: int
+    cached_tokens: int
+    ranks: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    value_dim: int
+    bytes_per_element: int
+    layers: int
+
+    def __post_init__(self) -> None:
+        if self.new_tokens < 1 or self.cached_tokens < 0:
+            raise ValueError(f"need new_tokens >= 1 and cached_tokens >= 0, got {self.new_tokens}, "
+                             f"{self.cached_tokens}")
+        if self.kv_heads < 1 or self.q_heads % self.kv_heads:
+            raise ValueError(f"q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if min(self.ranks, self.head_dim, self.value_dim, self.bytes_per_element, self.layers) < 1:
+            raise ValueError("ranks, head sizes, bytes_per_element and layers must be positive")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The cluster's speeds, as its ranks measured them."""
+
+    per_pair_s: float  # attention, one query-key pair, all layers, on the slowest rank
+    link_bytes_per_s: float
+    hop_latency_s: float  # one small message to a ring neighbour
+    exchange_latency_s: float  # a small message to every other rank and one from each
+
+    def __post_init__(self) -> None:
+        if self.per_pair_s <= 0 or self.link_bytes_per_s <= 0:
+            raise ValueError("per_pair_s and link_bytes_per_s must be positive")
+        if self.hop_latency_s < 0 or self.exchange_latency_s < 0:
+            raise ValueError("latencies cannot be negative")
 
 
 @dataclass(frozen=True)
 class Choice:
-    algorithm: Algorithm
-    miss_rate: float
-    miss_rate_threshold: float
-    token_threshold: float
+    algorithm: str
+    estimates_s: dict[str, float]  # each candidate's estimated attention and transfer seconds
     reason: str
 
 
-def explain_algorithm(
-    new_tokens: int,
-    cached_tokens: int,
-    num_kv_heads: int,
-    num_q_heads: int,
-    num_ranks: int,
-    flops_per_s: float,
-    bandwidth_bytes_per_s: float,
-    bytes_per_element: int = 2,
-) -> Choice:
-    """The heuristic's decision together with the numbers behind it."""
-    if new_tokens < 1 or cached_tokens < 0:
-        raise ValueError(f"need new_tokens >= 1 and cached_tokens >= 0, got {new_tokens}, {cached_tokens}")
-    if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if num_ranks < 1:
-        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
-    if flops_per_s <= 0 or bandwidth_bytes_per_s <= 0 or bytes_per_element <= 0:
-        raise ValueError("flops_per_s, bandwidth_bytes_per_s and bytes_per_element must be positive")
-
-    miss_rate = new_tokens / (new_tokens + cached_tokens)
-    miss_threshold = 2 * num_kv_heads / num_q_heads
-    token_threshold = (
-        num_ranks * flops_per_s * num_kv_heads * bytes_per_element / (2 * num_q_heads * bandwidth_bytes_per_s)
-    )
-    if new_tokens == 1 and cached_tokens > 0:
-        return Choice("pass_q", miss_rate, miss_threshold, token_threshold, "decode")
-    if miss_rate >= miss_threshold:
-        reason = f"miss rate {miss_rate:.3f} >= {miss_threshold:.3f}"
-        return Choice("pass_kv", miss_rate, miss_threshold, token_threshold, reason)
-    if new_tokens >= token_threshold:
-        reason = f"T={new_tokens} >= {token_threshold:.0f} (transfer hides behind compute)"
-        return Choice("pass_kv", miss_rate, miss_threshold, token_threshold, reason)
-    reason = f"miss rate {miss_rate:.3f} < {miss_threshold:.3f} and T={new_tokens} < {token_threshold:.0f}"
-    return Choice("pass_q", miss_rate, miss_threshold, token_threshold, reason)
+def prefill_estimates(w: Workload, m: Measured) -> dict[str, float]:
+    """Seconds of attention and transfer each algorithm should take for this prefill (formulas above)."""
+    n, t, p, b = w.ranks, w.new_tokens, w.cached_tokens, m.link_bytes_per_s
+    compute = (t * (t + 1) / 2 + t * p) * m.per_pair_s / (w.layers * n)
+    if n == 1:
+        return dict.fromkeys(PREFILL_ALGORITHMS, compute * w.layers)  # nothing crosses
+    kv = (t + p) / n * w.kv_heads * (w.head_dim + w.value_dim) * w.bytes_per_element
+    q = t / n * w.q_heads * w.head_dim * w.bytes_per_element
+    out = t / n * w.q_heads * (w.value_dim + 1) * 4
+    alpha, alpha_x = m.hop_latency_s, m.exchange_latency_s
+    uneven = math.ceil(w.q_heads / n) * n / w.q_heads
+    group = w.q_heads // w.kv_heads
+    whole_groups = all(bound % group == 0 for bound in _head_bounds(w.q_heads, n))
+    kv_sent = kv if whole_groups else kv * w.q_heads / w.kv_heads
+    per_layer = {
+        "pass_kv": compute / n + (n - 1) * max(compute / n, alpha + kv / b),
+        "pass_q": compute + n * (alpha + (q + out) / b),
+        "all_gather": max(compute / n, alpha_x + (n - 1) * kv / b) + (n - 1) * compute / n,
+        "ulysses": uneven * compute + 2 * alpha_x + (n - 1) / n * (q + kv_sent + out) / b,
+    }
+    return {name: seconds * w.layers for name, seconds in per_layer.items()}
 
 
-def select_algorithm(
-    new_tokens: int,
-    cached_tokens: int,
-    num_kv_heads: int,
-    num_q_heads: int,
-    num_ranks: int,
-    flops_per_s: float,
-    bandwidth_bytes_per_s: float,
-    bytes_per_element: int = 2,
-) -> Algorithm:
-    return explain_algorithm(
-        new_tokens,
-        cached_tokens,
-        num_kv_heads,
-        num_q_heads,
-        num_ranks,
-        flops_per_s,
-        bandwidth_bytes_per_s,
-        bytes_per_element,
-    ).algorithm
+def choose_algorithm(w: Workload, m: Measured, candidates: tuple[str, ...] = PREFILL_ALGORITHMS) -> Choice:
+    """The candidate with the least estimated time (the first listed on a tie)."""
+    estimates = {name: s for name, s in prefill_estimates(w, m).items() if name in candidates}
+    if not estimates:
+        raise ValueError(f"no known algorithm among {candidates}")
+    best = min(estimates, key=estimates.get)
+    if w.ranks == 1:
+        return Choice(best, estimates, "one rank: nothing crosses")
+    ranked = sorted(estimates, key=estimates.get)
+    runner_up = f", {NAMES[ranked[1]]} {_ms(estimates[ranked[1]])}" if len(ranked) > 1 else ""
+    return Choice(best, estimates, f"least estimated: {NAMES[best]} {_ms(estimates[best])}{runner_up}")
+
+
+def decode_estimates(w: Workload, m: Measured) -> dict[str, float]:
+    """Seconds per decode token spent exchanging partial outputs: over the ring, or in one exchange."""
+    n, size = w.ranks, w.q_heads * (w.value_dim + 1) * 4
+    if n == 1:
+        return dict.fromkeys(DECODE_EXCHANGES, 0.0)
+    b = m.link_bytes_per_s
+    return {
+        "exchange": w.layers * (m.exchange_latency_s + (n - 1) * size / b),
+        "ring": w.layers * (n - 1) * (m.hop_latency_s + size / b),
+    }
+
+
+def _head_bounds(q_heads: int, ranks: int) -> list[int]:
+    """Where Ulysses cuts the query heads between ranks (as `context_parallel.head_split`)."""
+    return [round(q_heads * i / ranks) for i in range(ranks + 1)]
+
+
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:.0f} ms" if seconds >= 0.0095 else f"{1000 * seconds:.1f} ms"

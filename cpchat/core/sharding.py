@@ -67,3 +67,33 @@ def owner_of(position: int, seq_len: int, num_ranks: int) -> int:
         raise ValueError(f"position {position} outside [0, {seq_len})")
     chunk_index = position // (padded_length(seq_len, num_ranks) // (2 * num_ranks))
     return min(chunk_index, 2 * num_ranks - 1 - chunk_index)
+
+
+@dataclass(frozen=True)
+class HeadShare:
+    """One rank's heads under Ulysses: query heads [start, stop), and the key heads they read, a
+    range when every query group is whole, otherwise one key head per query head."""
+
+    start: int
+    stop: int
+    kv_index: range | list[int]
+
+    @property
+    def whole_groups(self) -> bool:
+        return isinstance(self.kv_index, range)
+
+
+def head_split(q_heads: int, kv_heads: int, num_ranks: int) -> list[HeadShare]:
+    """Query heads cut into contiguous shares as even as `num_ranks` allows (sizes differ by at most
+    one; empty when there are more ranks than heads). A query group whose heads fall on two ranks
+    has its key head on both, as plain multi-head attention there: more bytes, never a wrong answer."""
+    if num_ranks < 1 or kv_heads < 1 or q_heads % kv_heads:
+        raise ValueError(f"cannot share {q_heads} query heads ({kv_heads} key heads) among {num_ranks} ranks")
+    group = q_heads // kv_heads
+    bounds = [q_heads * i // num_ranks for i in range(num_ranks + 1)]
+    shares = []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        whole = lo % group == 0 and hi % group == 0
+        shares.append(HeadShare(lo, hi, range(lo // group, hi // group) if whole
+                                else [h // group for h in range(lo, hi)]))
+    return shares

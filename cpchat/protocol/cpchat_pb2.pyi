@@ -12,6 +12,14 @@ class Algorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ALGORITHM_UNSPECIFIED: _ClassVar[Algorithm]
     PASS_KV: _ClassVar[Algorithm]
     PASS_Q: _ClassVar[Algorithm]
+    ALL_GATHER: _ClassVar[Algorithm]
+    ULYSSES: _ClassVar[Algorithm]
+
+class Decode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DECODE_UNSPECIFIED: _ClassVar[Decode]
+    DECODE_EXCHANGE: _ClassVar[Decode]
+    DECODE_RING: _ClassVar[Decode]
 
 class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,15 +29,26 @@ class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PARTIAL: _ClassVar[FrameKind]
     TOKEN: _ClassVar[FrameKind]
     PROBE: _ClassVar[FrameKind]
+    GATHER: _ClassVar[FrameKind]
+    HEADS: _ClassVar[FrameKind]
+    OUTPUT: _ClassVar[FrameKind]
 ALGORITHM_UNSPECIFIED: Algorithm
 PASS_KV: Algorithm
 PASS_Q: Algorithm
+ALL_GATHER: Algorithm
+ULYSSES: Algorithm
+DECODE_UNSPECIFIED: Decode
+DECODE_EXCHANGE: Decode
+DECODE_RING: Decode
 FRAME_KIND_UNSPECIFIED: FrameKind
 KV: FrameKind
 QUERY: FrameKind
 PARTIAL: FrameKind
 TOKEN: FrameKind
 PROBE: FrameKind
+GATHER: FrameKind
+HEADS: FrameKind
+OUTPUT: FrameKind
 
 class ConfigureRequest(_message.Message):
     __slots__ = ("rank", "addresses", "ring_id")
@@ -52,7 +71,7 @@ class LoadModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class LoadProgress(_message.Message):
-    __slots__ = ("stage", "model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "bytes_per_element", "max_context")
+    __slots__ = ("stage", "model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "bytes_per_element", "max_context", "value_dim")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +81,7 @@ class LoadProgress(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_ELEMENT_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    VALUE_DIM_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model_type: str
     num_layers: int
@@ -71,7 +91,8 @@ class LoadProgress(_message.Message):
     vocab_size: int
     bytes_per_element: int
     max_context: int
-    def __init__(self, stage: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bytes_per_element: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+    value_dim: int
+    def __init__(self, stage: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bytes_per_element: _Optional[int] = ..., max_context: _Optional[int] = ..., value_dim: _Optional[int] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
     __slots__ = ("probe_bytes", "rounds")
@@ -82,18 +103,22 @@ class CalibrateRequest(_message.Message):
     def __init__(self, probe_bytes: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class CalibrateReply(_message.Message):
-    __slots__ = ("flops_per_s", "ring_bytes_per_s", "prefill_fixed_s", "prefill_per_token_s", "prefill_per_pair_s")
+    __slots__ = ("flops_per_s", "ring_bytes_per_s", "prefill_fixed_s", "prefill_per_token_s", "prefill_per_pair_s", "link_latency_s", "exchange_latency_s")
     FLOPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     RING_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIXED_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PER_PAIR_S_FIELD_NUMBER: _ClassVar[int]
+    LINK_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     flops_per_s: float
     ring_bytes_per_s: float
     prefill_fixed_s: float
     prefill_per_token_s: float
     prefill_per_pair_s: float
-    def __init__(self, flops_per_s: _Optional[float] = ..., ring_bytes_per_s: _Optional[float] = ..., prefill_fixed_s: _Optional[float] = ..., prefill_per_token_s: _Optional[float] = ..., prefill_per_pair_s: _Optional[float] = ...) -> None: ...
+    link_latency_s: _containers.RepeatedScalarFieldContainer[float]
+    exchange_latency_s: float
+    def __init__(self, flops_per_s: _Optional[float] = ..., ring_bytes_per_s: _Optional[float] = ..., prefill_fixed_s: _Optional[float] = ..., prefill_per_token_s: _Optional[float] = ..., prefill_per_pair_s: _Optional[float] = ..., link_latency_s: _Optional[_Iterable[float]] = ..., exchange_latency_s: _Optional[float] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "seed")
@@ -106,7 +131,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens")
+    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens", "decode")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +139,7 @@ class GenerateRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     keep_tokens: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -121,7 +147,8 @@ class GenerateRequest(_message.Message):
     max_tokens: int
     sampling: Sampling
     stop_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    decode: Decode
+    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[Decode, str]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("prefill", "token", "done", "progress")

@@ -89,7 +89,7 @@ class ControlServicer:
     """
 
     def Configure(self, request, context):
-        """Tell this rank its place in the ring; it opens its link to the next rank.
+        """Tell this rank its place in the ring; it opens its links to the other ranks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -103,8 +103,8 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Calibrate(self, request, context):
-        """Measure this rank's compute speed and the ring's bandwidth (all ranks
-        must be called together: the probe travels the ring).
+        """Measure this rank's compute speed, the ring's bandwidth and the links'
+        latency (all ranks must be called together: the probes travel between them).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -481,7 +481,7 @@ class RingServicer:
     """
 
     def Link(self, request_iterator, context):
-        """One long-lived stream per ring edge, opened by the previous rank.
+        """One long-lived stream from each rank to each other rank, opened by the sender.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -20,11 +20,14 @@ import mlx.core as mx
 import numpy as np
 
 from cpchat.core.attention import add_sink, merge_partials, partial_attention
+from cpchat.core.sharding import head_split
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.fit import AttentionCall, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.ring import Ring
 from cpchat.rank.wire import BlockKey, block_nbytes
+
+MODES = ("pass_kv", "pass_q", "all_gather", "ulysses", "decode_exchange", "decode_ring")
 
 
 @dataclass
@@ -43,6 +46,7 @@ class LayerCall:
     layer: int
     scale: float
     window: int | None
+    kv_heads: int
     value_dim: int
 
 
@@ -51,7 +55,7 @@ class RingPass:
     """One forward of the model over this rank's rows, and how attention crosses the ring."""
 
     request_id: str
-    mode: str  # "pass_kv" | "pass_q" | "decode"
+    mode: str  # an algorithm: MODES
     ring: Ring
     kv: KVShard
     row_offsets: mx.array | int
@@ -84,12 +88,16 @@ class RingPass:
             raise UnsupportedModel(f"layer {layer} passes attention a mask of its own (extra scores, as "
                                    "MLA's RoPE scores), which the ring cannot apply across ranks")
         self.calls.append(AttentionCall(layer, heads, sinks is not None))
-        call = LayerCall(layer, scale, self.windows[layer], values.shape[-1])
+        call = LayerCall(layer, scale, self.windows[layer], values.shape[1], values.shape[-1])
         q = _flatten_rows(queries)
         k, v, k_pos = self.kv.layer(layer)
         if self.ring.size > 1:  # blocks must be concrete before they travel
             mx.eval(q, *(a for a in (k, v) if a is not None))
-        run = {"pass_kv": self._pass_kv, "pass_q": self._pass_q, "decode": self._gather_partials}[self.mode]
+        run = {
+            "pass_kv": self._pass_kv, "pass_q": self._pass_q, "all_gather": self._all_gather,
+            "ulysses": self._ulysses, "decode_exchange": self._exchange_partials,
+            "decode_ring": self._ring_partials,
+        }[self.mode]
         out, lse = run(call, q, k, v, k_pos)
         if sinks is not None:
             out = add_sink(out, lse, sinks)
@@ -114,14 +122,24 @@ class RingPass:
     def _key(self, layer: int, step: int, kind: int) -> BlockKey:
         return BlockKey(self.request_id, layer, step, kind)
 
-    def _take(self, timing: StepTiming, key: BlockKey) -> list[mx.array]:
-        tensors, waited = self.ring.take(key, self.abort)
+    def _take(self, timing: StepTiming, key: BlockKey, source: int | None = None) -> list[mx.array]:
+        tensors, waited = self.ring.take(key, self.abort, source)
         timing.wait_ms += 1000 * waited
         return tensors
 
-    def _send(self, timing: StepTiming, key: BlockKey, tensors: list[mx.array]) -> None:
-        self.ring.send(key, tensors)
-        timing.bytes_sent += block_nbytes(tensors)
+    def _send(self, timing: StepTiming, key: BlockKey, tensors: list[mx.array], to: list[int] | None = None
+              ) -> None:
+        """To the next rank, or to each rank of `to`."""
+        if to is None:
+            self.ring.send(key, tensors)
+        else:
+            self.ring.send_all(key, tensors, to)
+        timing.bytes_sent += block_nbytes(tensors) * (1 if to is None else len(to))
+
+    def _step(self, layer: int, step: int) -> StepTiming:
+        timing = StepTiming(layer, step)
+        self.timings.append(timing)
+        return timing
 
     def _pass_kv(self, call: LayerCall, q, k, v, k_pos):
         """Queries stay; every rank's K/V block visits every rank (N-1 hops).
@@ -130,8 +148,7 @@ class RingPass:
         parts = []
         block = None if k is None else [k, v, mx.array(k_pos)]
         for step in range(n):
-            timing = StepTiming(layer, step)
-            self.timings.append(timing)
+            timing = self._step(layer, step)
             if step > 0:
                 block = self._take(timing, self._key(layer, step - 1, pb.KV))
                 block = None if block[2].size == 0 else block
@@ -146,16 +163,14 @@ class RingPass:
         """K/V stay; each rank's queries travel a full lap carrying their running
         (out, lse), merging one partial per rank, and come home (N hops)."""
         n, layer = self.ring.size, call.layer
-        timing = StepTiming(layer, 0)
-        self.timings.append(timing)
+        timing = self._step(layer, 0)
         out, lse = self._timed_local(call, timing, q, self.q_positions, k, v, k_pos)
         if n == 1:
             return out, lse
         q_pos = mx.array(self.q_positions)
         self._send(timing, self._key(layer, 0, pb.QUERY), [q, q_pos, out, lse])
         for step in range(1, n + 1):
-            timing = StepTiming(layer, step)
-            self.timings.append(timing)
+            timing = self._step(layer, step)
             vq, vq_pos, vout, vlse = self._take(timing, self._key(layer, step - 1, pb.QUERY))
             if step == n:
                 return vout, vlse  # our own queries, home with every rank's partial merged
@@ -164,18 +179,84 @@ class RingPass:
             self._send(timing, self._key(layer, step, pb.QUERY), [vq, vq_pos, vout, vlse])
         raise AssertionError("unreachable")
 
-    def _gather_partials(self, call: LayerCall, q, k, v, k_pos):
-        """Decode: every rank holds the same query; partial outputs go around the
-        ring (all-gather) and are merged in rank order, so all ranks agree bit for bit."""
+    def _all_gather(self, call: LayerCall, q, k, v, k_pos):
+        """Queries stay; every rank sends its K/V to every other rank at once, attends to its own
+        block while the others arrive, then to all of theirs in one pass. The others' K/V is
+        dropped when the layer ends: the store stays 1/N of the sequence."""
+        layer, key = call.layer, self._key(call.layer, 0, pb.GATHER)
+        timing = self._step(layer, 0)
+        self._send(timing, key, _kv_block(q, k, v, k_pos), to=self.ring.peers)
+        parts = [self._timed_local(call, timing, q, self.q_positions, k, v, k_pos)]
+        timing = self._step(layer, 1)
+        blocks = [self._take(timing, key, source) for source in self.ring.peers]
+        blocks = [b for b in blocks if b[2].size]
+        if blocks:
+            gk, gv = (mx.concatenate([b[i] for b in blocks], axis=2) for i in (0, 1))
+            g_pos = np.concatenate([np.asarray(b[2]) for b in blocks])
+            parts.append(self._timed_local(call, timing, q, self.q_positions, gk, gv, g_pos))
+        return merge_partials(parts)
+
+    def _ulysses(self, call: LayerCall, q, k, v, k_pos):
+        """All-to-all from "every head, this rank's tokens" to "every token, this rank's heads":
+        each rank attends its share of the query heads over the whole sequence (cached keys
+        included) in one pass, and a second all-to-all brings each output home. Query heads are
+        split as evenly as N allows (`head_split`); a key head whose query heads fall on two
+        ranks goes to both."""
+        n, me, layer = self.ring.size, self.ring.rank, call.layer
+        shares = head_split(q.shape[1], call.kv_heads, n)
+        timing = self._step(layer, 0)
+        q_pos = mx.array(self.q_positions)
+        kv = _kv_block(q, k, v, k_pos)
+        for rank, share in enumerate(shares):
+            block = [q[:, share.start:share.stop], q_pos, *_select_heads(kv, share.kv_index)]
+            if rank == me:
+                own = block
+            elif share.stop > share.start:
+                self._send(timing, self._key(layer, 0, pb.HEADS), block, to=[rank])
+        home = {}
+        if shares[me].stop > shares[me].start:  # with more ranks than query heads, some have none
+            timing = self._step(layer, 1)
+            heads_key = self._key(layer, 0, pb.HEADS)
+            blocks = [own if r == me else self._take(timing, heads_key, r) for r in range(n)]
+            gq = mx.concatenate([b[0] for b in blocks], axis=2)
+            gq_pos = np.concatenate([np.asarray(b[1]) for b in blocks])
+            with_keys = [b for b in blocks if b[4].size]
+            gk, gv = (mx.concatenate([b[i] for b in with_keys], axis=2) for i in (2, 3))
+            gk_pos = np.concatenate([np.asarray(b[4]) for b in with_keys])
+            out, lse = self._timed_local(call, timing, gq, gq_pos, gk, gv, gk_pos)
+            bounds = np.cumsum([0, *(b[0].shape[2] for b in blocks)]).tolist()
+            home = {r: [a[:, :, bounds[r]:bounds[r + 1]] for a in (out, lse)] for r in range(n)}
+            for r in self.ring.peers:
+                self._send(timing, self._key(layer, 0, pb.OUTPUT), home[r], to=[r])
+        timing = self._step(layer, 2)
+        parts = [home[me] if r == me else self._take(timing, self._key(layer, 0, pb.OUTPUT), r)
+                 for r, share in enumerate(shares) if share.stop > share.start]
+        return mx.concatenate([o for o, _ in parts], axis=1), mx.concatenate([s for _, s in parts], axis=1)
+
+    def _exchange_partials(self, call: LayerCall, q, k, v, k_pos):
+        """Decode in one exchange: every rank holds the same query, sends its partial output to
+        every other rank at once, and merges all N in rank order, so all ranks agree bit for bit."""
+        layer, key = call.layer, self._key(call.layer, 0, pb.PARTIAL)
+        timing = self._step(layer, 0)
+        mine = self._timed_local(call, timing, q, self.q_positions, k, v, k_pos)
+        if self.ring.size == 1:
+            return mine
+        self._send(timing, key, list(mine), to=self.ring.peers)
+        timing = self._step(layer, 1)
+        parts = [mine if r == self.ring.rank else tuple(self._take(timing, key, r))
+                 for r in range(self.ring.size)]
+        return merge_partials(parts)
+
+    def _ring_partials(self, call: LayerCall, q, k, v, k_pos):
+        """Decode over the ring: every rank holds the same query; partial outputs go around the
+        ring (N-1 hops) and are merged in rank order, so all ranks agree bit for bit."""
         n, layer = self.ring.size, call.layer
-        timing = StepTiming(layer, 0)
-        self.timings.append(timing)
+        timing = self._step(layer, 0)
         parts = {self.ring.rank: self._timed_local(call, timing, q, self.q_positions, k, v, k_pos)}
         block = list(parts[self.ring.rank])
         for step in range(n - 1):
             self._send(timing, self._key(layer, step, pb.PARTIAL), block)
-            timing = StepTiming(layer, step + 1)
-            self.timings.append(timing)
+            timing = self._step(layer, step + 1)
             block = self._take(timing, self._key(layer, step, pb.PARTIAL))
             parts[(self.ring.rank - step - 1) % n] = tuple(block)
         return merge_partials([parts[r] for r in range(n)])
@@ -239,3 +320,20 @@ def _empty_partial(q: mx.array, value_dim: int) -> tuple[mx.array, mx.array]:
 def _empty_kv(q: mx.array) -> list[mx.array]:
     shape = (1, 1, 0, q.shape[-1])
     return [mx.zeros(shape, q.dtype), mx.zeros(shape, q.dtype), mx.zeros((0,), mx.int32)]
+
+
+def _kv_block(q: mx.array, k: mx.array | None, v: mx.array | None, k_pos: np.ndarray) -> list[mx.array]:
+    """This rank's keys, values and key positions as a block that can travel (empty if it holds none)."""
+    if k is None or len(k_pos) == 0:
+        return _empty_kv(q)
+    return [k, v, mx.array(k_pos)]
+
+
+def _select_heads(kv: list[mx.array], index: range | list[int]) -> list[mx.array]:
+    k, v, k_pos = kv
+    if k.shape[2] == 0:
+        return kv
+    if isinstance(index, range):
+        return [k[:, index.start:index.stop], v[:, index.start:index.stop], k_pos]
+    index = mx.array(index)
+    return [mx.take(k, index, axis=1), mx.take(v, index, axis=1), k_pos]

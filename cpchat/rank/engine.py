@@ -34,6 +34,10 @@ class BadRequest(ValueError):
     pass
 
 
+PREFILL_MODES = {pb.ALGORITHM_UNSPECIFIED: "pass_kv", pb.PASS_KV: "pass_kv", pb.PASS_Q: "pass_q",
+                 pb.ALL_GATHER: "all_gather", pb.ULYSSES: "ulysses"}
+
+
 @dataclass
 class ModelInfo:
     model_type: str
@@ -99,7 +103,7 @@ def _probe_forward(model, chunk: int = 3) -> fit.ProbeResult:
     tokens at different positions), recording what every layer's attention was given."""
     slots = fit.cache_slots(model)
     kv = KVShard(len(slots))
-    ring = Ring(0, 1, None, Mailbox(lambda frame, size: None))
+    ring = Ring(0, 1, {}, Mailbox(lambda frame, size: None))
     positions = np.arange(2 * chunk)
     ring_pass = RingPass(
         request_id="probe", mode="pass_kv", ring=ring, kv=kv, row_offsets=mx.array([0, chunk]),
@@ -235,10 +239,9 @@ class Engine:
         ids = mx.array([tokens[p] if p < len(tokens) else 0 for p in local]).reshape(2, layout.chunk)
         positions = start + np.array(local, dtype=np.int64)
         self.kv.begin_append(positions[real])
-        mode = "pass_q" if req.algorithm == pb.PASS_Q else "pass_kv"
         ring_pass = RingPass(
             request_id=req.request_id,
-            mode=mode,
+            mode=PREFILL_MODES[req.algorithm],
             ring=ring,
             kv=self.kv,
             row_offsets=mx.array([start + s for s in layout.starts]),
@@ -264,7 +267,7 @@ class Engine:
             self.kv.begin_append(np.array([position]))
         ring_pass = RingPass(
             request_id=req.request_id,
-            mode="decode",
+            mode="decode_ring" if req.decode == pb.DECODE_RING else "decode_exchange",
             ring=ring,
             kv=self.kv,
             row_offsets=position,
@@ -290,6 +293,10 @@ class Engine:
             raise BadRequest("no model is loaded")
         if not req.tokens:
             raise BadRequest("the request has no tokens")
+        if req.algorithm not in PREFILL_MODES:
+            raise BadRequest(f"unknown algorithm {req.algorithm}")
+        if req.decode not in (pb.DECODE_UNSPECIFIED, pb.DECODE_EXCHANGE, pb.DECODE_RING):
+            raise BadRequest(f"unknown decode exchange {req.decode}")
         bad = [t for t in req.tokens if t >= self.info.vocab_size]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
@@ -351,14 +358,12 @@ class Engine:
             ring.mailbox.forget(req.request_id)
 
     def _agree(self, req, ring: Ring, abort, source: int, index: int, logits) -> tuple[int, float]:
-        """The source rank samples; the token travels the ring so every rank has it."""
+        """The source rank samples and sends the token to every other rank at once."""
         key = BlockKey(req.request_id, 0, index, pb.TOKEN)
         if ring.rank == source:
             token, logprob = sample(logits, req.sampling, index)
             if ring.size > 1:
-                ring.send(key, [mx.array([token], mx.int32), mx.array([logprob], mx.float32)])
+                ring.send_all(key, [mx.array([token], mx.int32), mx.array([logprob], mx.float32)], ring.peers)
             return token, logprob
-        (token_a, logprob_a), _ = ring.take(key, abort)
-        if ring.next_rank != source:
-            ring.send(key, [token_a, logprob_a])
+        (token_a, logprob_a), _ = ring.take(key, abort, source)
         return int(token_a.item()), float(logprob_a.item())

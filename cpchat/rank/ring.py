@@ -1,5 +1,7 @@
-"""The ring: a long-lived gRPC stream to the next rank, and a mailbox for
-blocks arriving from the previous one.
+"""The ring: a long-lived gRPC stream from this rank to every other one (the
+ring algorithms use the one to the next rank; all-gather, Ulysses and the
+one-step decode exchange use them all), and a mailbox for the blocks that
+arrive, keyed by their sender.
 
 Sending is asynchronous (a queue drained by gRPC's own thread), so the
 engine computes on one block while the next travels. Tensors cross threads
@@ -11,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 import mlx.core as mx
@@ -31,7 +33,7 @@ class Aborted(RuntimeError):
 
 
 class RingLink:
-    """The stream from this rank to the next one in the ring."""
+    """The stream from this rank to one other rank."""
 
     def __init__(
         self,
@@ -51,11 +53,9 @@ class RingLink:
         self._thread = threading.Thread(target=self._run, name="ring-link", daemon=True)
         self._thread.start()
 
-    def send(self, key: BlockKey, tensors: list[mx.array]) -> None:
-        if self.error:
-            raise RingBroken(self.error)
-        mx.eval(*tensors)
-        self._queue.put((key, [to_host(a) for a in tensors]))
+    def put(self, key: BlockKey, tensors: list[HostTensor]) -> None:
+        """Queue a block (already in host memory) for sending."""
+        self._queue.put((key, tensors))
 
     def close(self) -> None:
         self._queue.put(_CLOSE)
@@ -69,38 +69,38 @@ class RingLink:
             try:
                 yield from block_frames(self.ring_id, key, self.rank, tensors)
             except Exception as e:  # gRPC would hide this behind "Exception iterating requests!"
-                self.error = f"cannot send to next rank {self.peer}: {type(e).__name__}: {e}"
+                self.error = f"cannot send to rank {self.peer}: {type(e).__name__}: {e}"
                 raise
 
     def _run(self) -> None:
         try:
             self._link(self._frames(), metadata=self._metadata)
         except grpc.RpcError as e:
-            self.error = self.error or f"link to next rank {self.peer} failed: {e.details() or e.code().name}"
+            self.error = self.error or f"link to rank {self.peer} failed: {e.details() or e.code().name}"
         finally:
             self._channel.close()  # a closed or re-formed ring leaves no channel behind
 
 
 class Mailbox:
-    """Blocks from the previous rank, keyed by (request, layer, step, kind)."""
+    """Blocks from the other ranks, keyed by (request, layer, step, kind) and sender."""
 
     def __init__(self, validate: Callable[[pb.Frame, int], None]) -> None:
         self._validate = validate
         self._cond = threading.Condition()
-        self._partial: dict[BlockKey, BlockAssembler] = {}
-        self._done: dict[BlockKey, list[HostTensor]] = {}
+        self._partial: dict[tuple[BlockKey, int], BlockAssembler] = {}
+        self._done: dict[tuple[BlockKey, int], list[HostTensor]] = {}
         self._dead: set[str] = set()
         self.error: str | None = None
 
     def put(self, frame: pb.Frame, data: memoryview) -> None:
         """Add one frame (header and data bytes); raises FrameError for a frame that does not fit."""
         self._validate(frame, len(data))
-        key = BlockKey(frame.request_id, frame.layer, frame.step, frame.kind)
+        key = (BlockKey(frame.request_id, frame.layer, frame.step, frame.kind), frame.source_rank)
         with self._cond:
             if frame.request_id in self._dead:
                 return
             if key in self._done:
-                raise FrameError(f"block {key} arrived twice")
+                raise FrameError(f"block {key[0]} from rank {key[1]} arrived twice")
             assembler = self._partial.get(key)
             if assembler is None:
                 assembler = self._partial[key] = BlockAssembler(frame)
@@ -110,18 +110,20 @@ class Mailbox:
                 self._done[key] = tensors
                 self._cond.notify_all()
 
-    def take(self, key: BlockKey, abort: threading.Event, link: RingLink | None = None) -> list[HostTensor]:
-        """Wait for a block; raise Aborted or RingBroken instead of waiting forever."""
+    def take(self, key: BlockKey, source: int, abort: threading.Event,
+             links: Iterable[RingLink] = ()) -> list[HostTensor]:
+        """Wait for `source`'s block; raise Aborted or RingBroken instead of waiting forever."""
         with self._cond:
-            while key not in self._done:
+            while (key, source) not in self._done:
                 if abort.is_set():
                     raise Aborted(key.request_id)
                 if self.error:
                     raise RingBroken(self.error)
-                if link is not None and link.error:
-                    raise RingBroken(link.error)
+                for link in links:
+                    if link.error:
+                        raise RingBroken(link.error)
                 self._cond.wait(0.05)
-            return self._done.pop(key)
+            return self._done.pop((key, source))
 
     def fail(self, message: str) -> None:
         with self._cond:
@@ -133,15 +135,15 @@ class Mailbox:
         with self._cond:
             self._dead.add(request_id)
             for store in (self._partial, self._done):
-                for key in [k for k in store if k.request_id == request_id]:
+                for key in [k for k in store if k[0].request_id == request_id]:
                     del store[key]
 
 
 class Ring:
-    """This rank's view of the ring: send to the next rank, take from the previous."""
+    """This rank's view of the ring: links to the other ranks, and the mailbox of what they sent."""
 
-    def __init__(self, rank: int, size: int, link: RingLink | None, mailbox: Mailbox) -> None:
-        self.rank, self.size, self.link, self.mailbox = rank, size, link, mailbox
+    def __init__(self, rank: int, size: int, links: dict[int, RingLink], mailbox: Mailbox) -> None:
+        self.rank, self.size, self.links, self.mailbox = rank, size, links, mailbox
 
     @property
     def next_rank(self) -> int:
@@ -151,13 +153,36 @@ class Ring:
     def prev_rank(self) -> int:
         return (self.rank - 1) % self.size
 
-    def send(self, key: BlockKey, tensors: list[mx.array]) -> None:
-        assert self.link is not None, "a ring of one rank sends nothing"
-        self.link.send(key, tensors)
+    @property
+    def peers(self) -> list[int]:
+        """Every other rank, in rank order."""
+        return [r for r in range(self.size) if r != self.rank]
 
-    def take(self, key: BlockKey, abort: threading.Event) -> tuple[list[mx.array], float]:
-        """The block, as MLX arrays made on the caller's thread, and the seconds spent waiting for it."""
+    def send(self, key: BlockKey, tensors: list[mx.array], to: int | None = None) -> None:
+        """Send a block to rank `to` (default: the next rank)."""
+        self.send_all(key, tensors, [self.next_rank if to is None else to])
+
+    def send_all(self, key: BlockKey, tensors: list[mx.array], to: Iterable[int]) -> None:
+        """Send one block to several ranks; it is evaluated and copied to host memory once."""
+        links = [self.links[r] for r in to]
+        for link in links:
+            if link.error:
+                raise RingBroken(link.error)
+        mx.eval(*tensors)
+        host = [to_host(a) for a in tensors]
+        for link in links:
+            link.put(key, host)
+
+    def take(self, key: BlockKey, abort: threading.Event, source: int | None = None
+             ) -> tuple[list[mx.array], float]:
+        """A block from rank `source` (default: the previous rank), as MLX arrays made on the
+        caller's thread, and the seconds spent waiting for it."""
         t0 = time.perf_counter()
-        tensors = self.mailbox.take(key, abort, self.link)
+        source = self.prev_rank if source is None else source
+        tensors = self.mailbox.take(key, source, abort, self.links.values())
         waited = time.perf_counter() - t0
         return [to_mlx(t) for t in tensors], waited
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()

@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 import mlx.core as mx
@@ -53,12 +54,28 @@ MAX_ID = 128  # characters in a request or ring id
 MAX_DIMS = 8
 WIND_DOWN_S = 5.0  # how long Configure waits for an aborted request to roll back
 CALIBRATE_TIMEOUT_S = 30.0
+LATENCY_ROUNDS = 5
+MAX_PAIRWISE_PROBES = 16  # ranks; larger rings time their neighbours' links only
+PROBE_BANDWIDTH, PROBE_PING, PROBE_ECHO, PROBE_EXCHANGE = range(4)  # the `layer` of calibration probes
 CONTROL_SERVICE = pb.DESCRIPTOR.services_by_name["Control"].full_name
 RING_SERVICE = pb.DESCRIPTOR.services_by_name["Ring"].full_name
 # What grpc.health.v1.Health reports on: the whole server ("") and the Control service.
 HEALTH_CHECKED = ("", CONTROL_SERVICE)
 SERVING_STATES = frozenset({"ready", "busy"})  # a generation running is still serving
 _END = object()
+# Frames of a ring pass: their layer must be the model's, their step inside the ring.
+ATTENTION_KINDS = frozenset({pb.KV, pb.QUERY, pb.PARTIAL, pb.GATHER, pb.HEADS, pb.OUTPUT})
+
+
+@dataclass
+class Calibration:
+    """What Calibrate measures on one rank (see CalibrateReply)."""
+
+    flops_per_s: float
+    ring_bytes_per_s: float
+    prefill: PrefillCost
+    link_latency_s: list[float]
+    exchange_latency_s: float
 
 
 class NotNow(BadRequest):
@@ -152,15 +169,14 @@ class RankState:
         if not self._acquire_for_configure():
             raise NotNow(f"rank is busy with {self.activity}; it cannot join a new ring until that ends")
         try:
-            if self.ring and self.ring.link:
-                self.ring.link.close()
+            if self.ring:
+                self.ring.close()
             self.rank, self.addresses, self.ring_id = rank, list(addresses), ring_id or uuid.uuid4().hex
-            size = len(addresses)
-            link = None
-            if size > 1:
-                peer = addresses[(rank + 1) % size]
-                link = RingLink(self.channel(peer), self.ring_id, rank, peer, self.metadata())
-            self.ring = Ring(rank, size, link, Mailbox(self.validate_frame))
+            links = {
+                peer: RingLink(self.channel(address), self.ring_id, rank, address, self.metadata())
+                for peer, address in enumerate(addresses) if peer != rank
+            }
+            self.ring = Ring(rank, len(addresses), links, Mailbox(self.validate_frame))
             self.calibrations = 0  # probe ids must agree across the ring, a replacement rank included
             if self.engine.kv is not None:
                 self.on_mlx(self.engine.reset, 0)
@@ -192,9 +208,9 @@ class RankState:
         if len(f.request_id) > MAX_ID:
             raise FrameError(f"request_id longer than {MAX_ID} characters")
         size = self.ring.size
-        if f.source_rank >= size:
-            raise FrameError(f"source_rank {f.source_rank} outside the ring of {size}")
-        if f.kind in (pb.KV, pb.QUERY, pb.PARTIAL):
+        if f.source_rank >= size or f.source_rank == self.ring.rank:
+            raise FrameError(f"source_rank {f.source_rank} is not another rank of the ring of {size}")
+        if f.kind in ATTENTION_KINDS:
             layers = self.engine.info.num_layers if self.engine.info else 0
             if f.layer >= layers:
                 raise FrameError(f"layer {f.layer} outside the model's {layers} layers")
@@ -212,10 +228,9 @@ class RankState:
         if data_bytes > CHUNK_BYTES:
             raise FrameError(f"frame of {data_bytes} bytes exceeds the {CHUNK_BYTES} byte chunk limit")
 
-    def prev_link_closed(self, ring_id: str) -> None:
+    def link_closed(self, ring_id: str, source: int) -> None:
         if self.ring is not None and ring_id == self.ring_id:
-            prev = self.addresses[self.ring.prev_rank]
-            self.ring.mailbox.fail(f"link from previous rank {self.ring.prev_rank} ({prev}) closed")
+            self.ring.mailbox.fail(f"link from rank {source} ({self.addresses[source]}) closed")
 
     # ---- requests
 
@@ -239,9 +254,9 @@ class RankState:
         abort.set()
         return True
 
-    def calibrate(self, probe_bytes: int = PROBE_BYTES, rounds: int = 3) -> tuple[float, float, PrefillCost]:
-        """Matrix-product speed, the ring's bandwidth, and the loaded model's prefill cost."""
-        cost = self.engine.prefill_cost
+    def calibrate(self, probe_bytes: int = PROBE_BYTES, rounds: int = 3) -> Calibration:
+        """Matrix-product speed, the ring's bandwidth, the links' latency and the loaded model's
+        prefill cost. Every rank runs this together."""
         n = 512
         a = mx.random.normal((n, n))
         mx.eval(a @ a)
@@ -249,25 +264,77 @@ class RankState:
         for _ in range(8):
             mx.eval(a @ a)
         flops = 8 * 2 * n**3 / (time.perf_counter() - t0)
-        if self.ring is None or self.ring.size == 1:
-            return flops, float("inf"), cost
-        block = [mx.zeros((probe_bytes // 4,), mx.float32)]
+        calibration = Calibration(flops, float("inf"), self.engine.prefill_cost, [0.0] * self.ring.size, 0.0)
+        if self.ring.size == 1:
+            return calibration
         abort = threading.Event()
         deadline = threading.Timer(CALIBRATE_TIMEOUT_S, abort.set)  # a hung neighbour frees the MLX thread
         deadline.start()
         request_id = f"calibrate-{self.ring_id}-{self.calibrations}"
         self.calibrations += 1
-        # The whole run is timed, not its best round: a neighbour that runs a round ahead
-        # makes a single round look faster than the link is.
+        try:
+            calibration.ring_bytes_per_s = self._ring_bandwidth(request_id, probe_bytes, rounds, abort)
+            calibration.link_latency_s = self._link_latency(request_id, abort)
+            calibration.exchange_latency_s = self._exchange_latency(request_id, abort)
+        finally:
+            deadline.cancel()
+            self.ring.mailbox.forget(request_id)
+        return calibration
+
+    def _ring_bandwidth(self, request_id: str, probe_bytes: int, rounds: int,
+                        abort: threading.Event) -> float:
+        """Bytes per second of a large block sent to the next rank while every rank does the same.
+        The whole run is timed, not its best round: a neighbour that runs a round ahead makes a
+        single round look faster than the link is."""
+        block = [mx.zeros((probe_bytes // 4,), mx.float32)]
         for round_ in range(rounds + 1):  # the first one warms the link up, untimed
             if round_ == 1:
                 t0 = time.perf_counter()
-            key = BlockKey(request_id, 0, round_, pb.PROBE)
+            key = BlockKey(request_id, PROBE_BANDWIDTH, round_, pb.PROBE)
             self.ring.send(key, block)
             self.ring.take(key, abort)
-        deadline.cancel()
-        self.ring.mailbox.forget(request_id)
-        return flops, block[0].nbytes * rounds / (time.perf_counter() - t0), cost
+        return block[0].nbytes * rounds / (time.perf_counter() - t0)
+
+    def _link_latency(self, request_id: str, abort: threading.Event) -> list[float]:
+        """One way, to each rank: half the best round trip of a small ping this rank sends and the
+        peer echoes. Pairs take turns in one order on every rank (ring neighbours only in rings
+        larger than MAX_PAIRWISE_PROBES)."""
+        size, me, tiny = self.ring.size, self.ring.rank, [mx.zeros((1,), mx.float32)]
+        pairs = [(a, b) for a in range(size) for b in range(size) if a != b]
+        if size > MAX_PAIRWISE_PROBES:
+            pairs = [(a, (a + 1) % size) for a in range(size)]
+        latency = [0.0] * size
+        for sender, peer in pairs:
+            if me not in (sender, peer):
+                continue
+            best = float("inf")
+            for round_ in range(LATENCY_ROUNDS):
+                ping = BlockKey(request_id, PROBE_PING, round_, pb.PROBE)
+                echo = BlockKey(request_id, PROBE_ECHO, round_, pb.PROBE)
+                if me == sender:
+                    t0 = time.perf_counter()
+                    self.ring.send(ping, tiny, to=peer)
+                    self.ring.take(echo, abort, source=peer)
+                    best = min(best, time.perf_counter() - t0)
+                else:
+                    self.ring.take(ping, abort, source=sender)
+                    self.ring.send(echo, tiny, to=sender)
+            if me == sender:
+                latency[peer] = best / 2
+        return latency
+
+    def _exchange_latency(self, request_id: str, abort: threading.Event) -> float:
+        """Seconds for a small message to every other rank and one from each, at once (the pattern
+        of the one-step decode exchange), averaged over rounds after a warm-up."""
+        tiny = [mx.zeros((1,), mx.float32)]
+        for round_ in range(LATENCY_ROUNDS + 1):
+            if round_ == 1:
+                t0 = time.perf_counter()
+            key = BlockKey(request_id, PROBE_EXCHANGE, round_, pb.PROBE)
+            self.ring.send_all(key, tiny, self.ring.peers)
+            for peer in self.ring.peers:
+                self.ring.take(key, abort, source=peer)
+        return (time.perf_counter() - t0) / LATENCY_ROUNDS
 
     def stats(self) -> pb.RankStats:
         kv = self.engine.kv
@@ -323,18 +390,23 @@ class ControlServicer(pb_grpc.ControlServicer):
             stage="ready", model_type=info.model_type, num_layers=info.num_layers,
             num_q_heads=info.num_q_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
             vocab_size=info.vocab_size, bytes_per_element=info.bytes_per_element,
-            max_context=info.max_context,
+            max_context=info.max_context, value_dim=info.layers[0].value_dim,
         )
 
     def Calibrate(self, request, context):
         try:
             probe = min(request.probe_bytes or PROBE_BYTES, MAX_PROBE_BYTES)
-            flops, bandwidth, cost = self.s.on_mlx(self.s.calibrate, probe, min(request.rounds, 20) or 3)
+            if self.s.ring is None:
+                raise NotNow("this rank is not part of a ring yet (Configure first)")
+            c = self.s.on_mlx(self.s.calibrate, probe, min(request.rounds, 20) or 3)
         except (RingBroken, Aborted) as e:
             context.abort(grpc.StatusCode.ABORTED, str(e))
-        return pb.CalibrateReply(flops_per_s=flops, ring_bytes_per_s=min(bandwidth, 1e15),
-                                 prefill_fixed_s=cost.fixed_s, prefill_per_token_s=cost.per_token_s,
-                                 prefill_per_pair_s=cost.per_pair_s)
+        except BadRequest as e:
+            context.abort(status_of(e), str(e))
+        return pb.CalibrateReply(flops_per_s=c.flops_per_s, ring_bytes_per_s=min(c.ring_bytes_per_s, 1e15),
+                                 prefill_fixed_s=c.prefill.fixed_s, prefill_per_token_s=c.prefill.per_token_s,
+                                 prefill_per_pair_s=c.prefill.per_pair_s, link_latency_s=c.link_latency_s,
+                                 exchange_latency_s=c.exchange_latency_s)
 
     def Generate(self, request, context):
         try:
@@ -430,9 +502,9 @@ class RingServicer(pb_grpc.RingServicer):
         self.s = state
 
     def Link(self, request_iterator, context):
-        """Frames from the previous rank. Only a stream whose frames were all accepted counts as
-        the ring's link: one that sent a bad frame is cut, and its end breaks nothing else."""
-        ring_id = None
+        """Frames from another rank. Only a stream whose frames were all accepted counts as
+        a link of the ring: one that sent a bad frame is cut, and its end breaks nothing else."""
+        ring_id, source = None, 0
         try:
             for raw in request_iterator:
                 ring = self.s.ring
@@ -444,10 +516,10 @@ class RingServicer(pb_grpc.RingServicer):
                 except (FrameError, ValueError) as e:
                     ring_id = None
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad frame: {e}")
-                ring_id = frame.ring_id
+                ring_id, source = frame.ring_id, frame.source_rank
         finally:
             if ring_id is not None and not context.is_active():
-                self.s.prev_link_closed(ring_id)
+                self.s.link_closed(ring_id, source)
         return pb.LinkClosed()
 
 

@@ -31,6 +31,7 @@ from cpchat.client.session import Message as SessionMessage
 from cpchat.client.session import Turn
 from cpchat.client.settings import Settings, data_dir
 from cpchat.core.estimate import human_duration
+from cpchat.core.heuristics import ALGORITHMS
 from cpchat.tui.backend import Backend
 from cpchat.tui.commands import COMMANDS, Command, parse_slash
 from cpchat.tui.messages import (
@@ -65,7 +66,6 @@ from cpchat.tui.widgets import (
     WorkBar,
 )
 
-ALGORITHMS = ("auto", "pass_kv", "pass_q")
 NARROW_BELOW = 110  # columns: the side panels take 48, the conversation keeps at least 62
 WORK_LABELS = {"download": "Downloading model, MiB", "connect": "Starting ranks",
                "load": "Loading model on ranks", "prefill": "Prefill, tokens"}

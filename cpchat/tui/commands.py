@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cpchat.core.heuristics import ALGORITHMS
+
 
 @dataclass(frozen=True)
 class Command:
@@ -24,8 +26,8 @@ COMMANDS = (
     Command("conversations", "Conversations", "Open, rename or delete a saved conversation", "conversations"),
     Command("model", "Switch model", "Load another model on every rank; the conversation stays",
             "switch_model", "PATH_OR_ID"),
-    Command("algorithm", "Ring algorithm", "auto, pass_kv or pass_q from the next turn", "set_algorithm",
-            "auto|pass_kv|pass_q"),
+    Command("algorithm", "Ring algorithm", "auto, pass_kv, pass_q, all_gather or ulysses from the next turn",
+            "set_algorithm", "|".join(ALGORITHMS)),
     Command("clear", "Clear conversation", "Forget the conversation and the ranks' KV cache", "clear"),
     Command("export", "Export transcript", "Save the conversation as Markdown", "export"),
     Command("relaunch", "Relaunch ranks", "Start fresh local ranks and re-read the conversation", "relaunch"),

@@ -54,7 +54,7 @@ message with its file name. A prompt past the model's context asks first.
 token, prefill and decode rates, and context used.
 
 **Commands.** `/attach PATH`, `/model PATH_OR_ID` (switch every rank to another model, keeping the
-conversation), `/algorithm auto|pass_kv|pass_q`, `/clear`, `/export`, `/relaunch`, `/help`.
+conversation), `/algorithm auto|pass_kv|pass_q|all_gather|ulysses`, `/clear`, `/export`, `/relaunch`, `/help`.
 
 Transcripts are saved as they grow; `cpchat --list` lists them and `cpchat --resume [ID]` reopens
 one (the last without an ID).

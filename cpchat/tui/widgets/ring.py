@@ -12,6 +12,7 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from cpchat.client.events import AlgorithmChoice, RingStep
+from cpchat.core.heuristics import NAMES
 from cpchat.tui.format import human_bytes
 
 # A three-row block font for the few letters the algorithm names need.
@@ -25,16 +26,24 @@ GLYPHS = {
     "U": ("╻ ╻", "┃ ┃", "┗━┛"),
     "T": ("╺┳╸", " ┃ ", " ╹ "),
     "O": ("┏━┓", "┃ ┃", "┗━┛"),
+    "L": ("╻  ", "┃  ", "┗━╸"),
+    "G": ("┏━╸", "┃╺┓", "┗━┛"),
+    "H": ("╻ ╻", "┣━┫", "╹ ╹"),
+    "E": ("┏━╸", "┣╸ ", "┗━╸"),
+    "R": ("┏━┓", "┣┳┛", "╹┗╸"),
+    "Y": ("╻ ╻", "┗┳┛", " ╹ "),
     "-": ("   ", "╺━╸", "   "),
     " ": ("   ", "   ", "   "),
 }
 CHART_WIDTH = 16
 # The algorithm in words, for screen readers, copies and logs of the screen (the letters are glyphs).
-ALGORITHM_NAMES = {"pass_kv": "pass-KV", "pass_q": "pass-Q", "auto": "auto"}
+ALGORITHM_NAMES = {**NAMES, "auto": "auto"}
 ALGORITHM_WORDS = {
     "pass_kv": "keys and values travel the ring",
     "pass_q": "queries travel the ring",
-    "auto": "chosen per turn from the prompt",
+    "all_gather": "every rank's keys and values reach all ranks at once",
+    "ulysses": "each rank takes some heads over the whole sequence",
+    "auto": "the least estimated time, per turn",
 }
 
 
@@ -138,8 +147,13 @@ class RingPanel(VerticalGroup):
         elif choice.forced:
             reason.append(choice.reason, "dim")
         else:
-            reason.append(f"T {choice.new_tokens} new · P {choice.cached_tokens} cached\n")
-            reason.append(f"miss {choice.miss_rate:.2f} vs ≥{choice.miss_rate_threshold:.2f}"
-                          f" · T vs {choice.token_threshold:.0f}\n")
-            reason.append(choice.reason, "dim")
+            reason.append(f"T {choice.new_tokens} new · P {choice.cached_tokens} cached"
+                          f" · miss {choice.miss_rate:.2f}\n")
+            estimates = [f"{ALGORITHM_NAMES[name]} {ms:,.0f}" for name, ms in choice.estimates_ms.items()]
+            for i in range(0, len(estimates), 2):  # two a line: the panel is narrow
+                reason.append(("est " if i == 0 else "    ") + " · ".join(estimates[i:i + 2]) + " ms\n")
+            if choice.hop_latency_ms:
+                link = human_bytes(choice.link_bytes_per_s)
+                reason.append(f"link {link}/s · hop {choice.hop_latency_ms:.1f}"
+                              f" · exch {choice.exchange_latency_ms:.1f} ms", "dim")
         self.query_one("#ring-reason", Static).update(reason)

@@ -1,0 +1,463 @@
+"""`cpchat bench --algorithms`: the prefill algorithms side by side.
+
+For each model variant (one per --kv-heads) and rank count, one cluster runs every listed algorithm on
+every context, repeat after repeat in turn, so noise on a busy machine falls on all of them alike. The
+report says which algorithm was fastest, which one auto (the cost model, cpchat/core/heuristics.py)
+picks from the same cluster's calibration, and how much slower its pick measured than the fastest.
+Decode is timed with partial outputs exchanged in one step or passed round the ring, and each link's
+small-message latency is listed, as those are what the cost model weighs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from cpchat.bench.baseline import prompt_ids
+from cpchat.bench.run import bench_model, in_form, snapshot
+from cpchat.client.cluster import Cluster
+from cpchat.client.events import AlgorithmChoice, Done, Prefill
+from cpchat.client.session import SamplingOptions, Session, load_tokenizer
+from cpchat.core.heuristics import DECODE_EXCHANGES, NAMES, PREFILL_ALGORITHMS, decode_estimates
+
+COLUMN = {**NAMES, "auto": "auto"}  # table headings
+RUN_ORDER = (*PREFILL_ALGORITHMS, "auto")  # auto last: its column follows those it chooses from
+
+
+class BenchUsageError(ValueError):
+    """A flag combination the comparison cannot run."""
+
+
+def parse_list(text: str, known: tuple[str, ...], flag: str) -> list[str]:
+    """A comma list of known names, in the canonical order; `all` = every known name."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise BenchUsageError(f"{flag}: expected a comma list of {', '.join(known)} (or all), got {text!r}")
+    return [n for n in known if n in names]
+
+
+@dataclass
+class Variant:
+    """One model the comparison runs on, as its ranks loaded it."""
+
+    model: str  # directory name
+    q_heads: int
+    kv_heads: int
+    blas: str  # the BLAS the ranks report
+
+    @property
+    def heads(self) -> str:
+        return f"{self.q_heads}:{self.kv_heads}"
+
+
+@dataclass
+class PrefillCell:
+    """Every algorithm's prefill of one context on one cluster, and what auto makes of it."""
+
+    variant: Variant
+    ranks: int
+    context: int
+    ttft_ms: dict[str, list[float]] = field(default_factory=dict)  # algorithm -> each repeat's TTFT
+    prefill_ms: dict[str, list[float]] = field(default_factory=dict)  # the ranks' own prefill time
+    auto_pick: str = ""  # what auto chooses from the cluster's calibration
+    auto_reason: str = ""
+    estimates_ms: dict[str, float] = field(default_factory=dict)  # the cost model's, per algorithm
+    auto_ran: list[str] = field(default_factory=list)  # what the ranks ran under auto, each repeat
+
+    def best_ms(self, algorithm: str) -> float | None:
+        times = self.ttft_ms.get(algorithm)
+        return min(times) if times else None
+
+    @property
+    def fastest(self) -> str | None:
+        """The forced algorithm with the least measured TTFT."""
+        measured = {a: self.best_ms(a) for a in PREFILL_ALGORITHMS if self.best_ms(a) is not None}
+        return min(measured, key=measured.get) if measured else None
+
+    @property
+    def auto_gap_pct(self) -> float | None:
+        """How much slower auto's pick measured (in its forced runs) than the fastest; None if its pick
+        was not among the algorithms run."""
+        pick, best = self.best_ms(self.auto_pick), self.fastest
+        if pick is None or best is None:
+            return None
+        return 100 * (pick / self.best_ms(best) - 1)
+
+    @property
+    def auto_consistent(self) -> bool:
+        """Whether every auto run ran the algorithm auto said it would pick."""
+        return all(ran == self.auto_pick for ran in self.auto_ran)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "best_ttft_ms": {a: self.best_ms(a) for a in self.ttft_ms},
+                "fastest": self.fastest, "auto_gap_pct": self.auto_gap_pct,
+                "auto_consistent": self.auto_consistent}
+
+
+@dataclass
+class DecodeRow:
+    """Decode speed with one way of exchanging partial outputs."""
+
+    variant: Variant
+    ranks: int
+    context: int
+    exchange: str  # "exchange" or "ring"
+    ms_per_token: list[float] = field(default_factory=list)  # each repeat's, from Done's rate
+    generated_tokens: list[int] = field(default_factory=list)
+    estimate_ms: float = 0.0  # the cost model's communication time per token
+
+    @property
+    def best(self) -> float | None:
+        return min(self.ms_per_token) if self.ms_per_token else None
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "best_ms_per_token": self.best}
+
+
+@dataclass
+class Latency:
+    """One cluster's measured small-message latencies."""
+
+    variant: Variant
+    ranks: int
+    link_us: list[list[float]]  # [from rank][to rank], one way
+    exchange_us: float  # a small message to every other rank and one from each, at once
+    hop_us: float  # the slowest ring link
+    ring_gb_s: float
+
+
+@dataclass
+class Comparison:
+    command: str
+    repeats: int
+    decode_tokens: int
+    prefill: list[PrefillCell] = field(default_factory=list)
+    decode: list[DecodeRow] = field(default_factory=list)
+    latency: list[Latency] = field(default_factory=list)
+
+    def to_json(self, seconds: float) -> dict:
+        return {
+            "command": self.command,
+            "machine": machine(),
+            "blas": sorted({c.variant.blas for c in self.prefill + self.decode}),
+            "repeats": self.repeats,
+            "decode_tokens": self.decode_tokens,
+            "seconds": round(seconds, 1),
+            "prefill": [c.to_json() for c in self.prefill],
+            "decode": [r.to_json() for r in self.decode],
+            "latency": [asdict(lat) for lat in self.latency],
+        }
+
+
+# ---- running
+
+
+def run_comparison(args, command: str) -> int:
+    """The comparison mode of `cpchat bench`; returns the exit status."""
+    try:
+        algorithms = parse_list(args.algorithms, RUN_ORDER, "--algorithms")
+        exchanges = parse_list(args.decode_exchange, DECODE_EXCHANGES, "--decode-exchange")
+        models = model_variants(args)
+    except BenchUsageError as e:
+        print(f"cpchat bench: {e}", file=sys.stderr)
+        return 2
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    ranks = [int(n) for n in args.ranks.split(",") if n]
+    result = Comparison(command, args.repeats, args.decode)
+    started = time.time()
+    for model in models:
+        for n in ranks:
+            bench_cluster(result, model, n, contexts, algorithms, exchanges, args)
+    out = Path(args.out)
+    write_comparison(out, result, time.time() - started)
+    print(f"wrote {out / 'results.md'}", file=sys.stderr)
+    return 0
+
+
+def model_variants(args) -> list[Path]:
+    """The model directories to compare: --model as it is, or a random llama per --kv-heads."""
+    if args.model:
+        if args.kv_heads:
+            raise BenchUsageError("--kv-heads builds random models: leave out --model")
+        return [in_form(Path(args.model), args.form)]
+    try:
+        kv_list = [int(k) for k in args.kv_heads.split(",") if k] if args.kv_heads else [None]
+        models = [bench_model(args.hidden, args.layers, args.heads, kv) for kv in kv_list]
+    except ValueError as e:  # not a number, or not a divisor of the query heads
+        raise BenchUsageError(f"--kv-heads {args.kv_heads}: {e}") from e
+    return [in_form(model, args.form) for model in models]
+
+
+def bench_cluster(result: Comparison, model: Path, n: int, contexts: list[int], algorithms: list[str],
+                  exchanges: list[str], args) -> None:
+    """Everything measured on one cluster of n ranks: it is launched and calibrated once."""
+    cluster = Cluster.launch(n, blas_choice=args.blas_choice, pin_cpus=args.pin)
+    try:
+        cluster.connect()
+        info = cluster.load(str(model))
+        tokenizer = load_tokenizer(str(model))
+        blas_label = " / ".join(sorted({r.blas_label for r in cluster.ranks}))
+        variant = Variant(model.name, info.num_q_heads, info.num_kv_heads, blas_label)
+        if n >= 2:  # on one rank every algorithm is the same computation
+            result.latency.append(latency(cluster, variant))
+            for context in contexts:
+                result.prefill.append(prefill_cell(cluster, tokenizer, variant, context, algorithms,
+                                                   args.repeats))
+                report_cell(result.prefill[-1])
+        for exchange in exchanges:
+            result.decode.append(decode_row(cluster, tokenizer, variant, max(contexts), exchange, args))
+            report_decode(result.decode[-1])
+    finally:
+        cluster.close()
+
+
+def latency(cluster: Cluster, variant: Variant) -> Latency:
+    """The latencies the cluster measured when it loaded the model (those auto used)."""
+    links = [[1e6 * s for s in row] for row in cluster.link_latency_s]
+    return Latency(variant, cluster.size, links, 1e6 * cluster.exchange_latency_s,
+                   1e6 * cluster.hop_latency_s, cluster.ring_bytes_per_s / 1e9)
+
+
+@dataclass
+class Run:
+    ttft_ms: float
+    prefill_ms: float
+    ran: str  # the algorithm the ranks report having run
+    choice: AlgorithmChoice
+
+
+def prefill_once(cluster: Cluster, tokenizer, ids: list[int], algorithm: str) -> Run:
+    """One prefill from an empty cache, generating one token only, so the ranks' last algorithm is
+    the prefill's."""
+    cluster.reset(0)
+    session = Session(cluster, tokenizer, raw=True, algorithm=algorithm,
+                      sampling=SamplingOptions(max_tokens=1, temperature=0.0))
+    ttft = prefill = 0.0
+    for event in session._generate(ids):
+        if isinstance(event, Prefill):
+            prefill = event.ms
+        elif isinstance(event, Done):
+            ttft = event.ttft_ms
+    ran = "/".join(sorted({s.algorithm for s in snapshot(cluster)}))
+    return Run(ttft, prefill, ran, session.last_choice)
+
+
+def prefill_cell(cluster: Cluster, tokenizer, variant: Variant, context: int, algorithms: list[str],
+                 repeats: int) -> PrefillCell:
+    ids = prompt_ids(cluster.model.vocab_size, context)
+    cell = PrefillCell(variant, cluster.size, context)
+    choice = Session(cluster, tokenizer, raw=True, algorithm="auto").choose_algorithm(context, 0)
+    cell.auto_pick, cell.auto_reason, cell.estimates_ms = choice.algorithm, choice.reason, choice.estimates_ms
+    for _ in range(repeats):  # each repeat runs every algorithm once, so drift falls on all alike
+        for algorithm in algorithms:
+            run = prefill_once(cluster, tokenizer, ids, algorithm)
+            cell.ttft_ms.setdefault(algorithm, []).append(run.ttft_ms)
+            cell.prefill_ms.setdefault(algorithm, []).append(run.prefill_ms)
+            if algorithm == "auto":
+                cell.auto_ran.append(run.ran if run.choice.algorithm == run.ran else
+                                     f"{run.ran} (said {run.choice.algorithm})")
+    if not cell.auto_consistent:
+        print(f"  warning: auto picked {cell.auto_pick} but ran {', '.join(cell.auto_ran)}", file=sys.stderr)
+    return cell
+
+
+def decode_row(cluster: Cluster, tokenizer, variant: Variant, context: int, exchange: str, args) -> DecodeRow:
+    """ms per decoded token after a pass-KV prefill of `context` tokens."""
+    ids = prompt_ids(cluster.model.vocab_size, context)
+
+    def session() -> Session:
+        return Session(cluster, tokenizer, raw=True, algorithm="pass_kv", decode=exchange,
+                       sampling=SamplingOptions(max_tokens=args.decode, temperature=0.0))
+
+    probe = session()
+    estimate = decode_estimates(probe.workload(1, context), probe.measured())[exchange]
+    row = DecodeRow(variant, cluster.size, context, exchange, estimate_ms=round(1000 * estimate, 3))
+    for _ in range(args.repeats):
+        cluster.reset(0)
+        done = [e for e in session()._generate(ids) if isinstance(e, Done)][0]
+        row.generated_tokens.append(done.generated_tokens)
+        if done.decode_tokens_per_s > 0:  # 0: fewer than two tokens came (an early stop token)
+            row.ms_per_token.append(1000 / done.decode_tokens_per_s)
+    return row
+
+
+def report_cell(cell: PrefillCell) -> None:
+    times = ", ".join(f"{COLUMN[a]} {cell.best_ms(a):.0f}" for a in cell.ttft_ms)
+    gap = f"{cell.auto_gap_pct:.0f}%" if cell.auto_gap_pct is not None else "n/a"
+    print(f"  {cell.variant.model} N={cell.ranks} ctx={cell.context}: TTFT ms {times}; "
+          f"fastest {cell.fastest}, auto picks {cell.auto_pick} (gap {gap})", file=sys.stderr, flush=True)
+
+
+def report_decode(row: DecodeRow) -> None:
+    best = f"{row.best:.1f} ms/token" if row.best is not None else "no rate (stopped early)"
+    print(f"  {row.variant.model} N={row.ranks} ctx={row.context} decode {row.exchange}: {best}",
+          file=sys.stderr, flush=True)
+
+
+# ---- the report
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "system": platform.system(),
+            "python": platform.python_version(), "mlx": getattr(mx, "__version__", "")}
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def prefill_table(cells: list[PrefillCell]) -> list[str]:
+    algorithms = [a for a in RUN_ORDER if any(a in c.ttft_ms for c in cells)]
+    lines = [
+        "| model | heads q:kv | N | context | " + " | ".join(COLUMN[a] for a in algorithms)
+        + " | best | auto's pick | auto gap |",
+        "|---|---|---:|---:|" + "---:|" * len(algorithms) + "---|---|---:|",
+    ]
+    for c in cells:
+        times = []
+        for a in algorithms:
+            mark = "" if a != "auto" or c.auto_consistent else f" (ran {', '.join(c.auto_ran)})"
+            times.append(_ms(c.best_ms(a)) + mark)
+        gap = f"{c.auto_gap_pct:.1f}%" if c.auto_gap_pct is not None else "n/a"
+        best = COLUMN[c.fastest] if c.fastest else ""
+        lines.append(f"| {c.variant.model} | {c.variant.heads} | {c.ranks} | {c.context} | "
+                     + " | ".join(times) + f" | {best} | {COLUMN[c.auto_pick]} | {gap} |")
+    return lines
+
+
+def estimate_table(cells: list[PrefillCell]) -> list[str]:
+    lines = [
+        "| model | heads q:kv | N | context | " + " | ".join(COLUMN[a] for a in PREFILL_ALGORITHMS)
+        + " | auto's reason |",
+        "|---|---|---:|---:|" + "---:|" * len(PREFILL_ALGORITHMS) + "---|",
+    ]
+    for c in cells:
+        lines.append(f"| {c.variant.model} | {c.variant.heads} | {c.ranks} | {c.context} | "
+                     + " | ".join(_ms(c.estimates_ms.get(a)) for a in PREFILL_ALGORITHMS)
+                     + f" | {c.auto_reason} |")
+    return lines
+
+
+def decode_table(rows: list[DecodeRow]) -> list[str]:
+    exchanges = [e for e in DECODE_EXCHANGES if any(r.exchange == e for r in rows)]
+    lines = [
+        "| model | heads q:kv | N | context | " + " | ".join(f"{e} ms/token" for e in exchanges)
+        + " | " + " | ".join(f"{e} estimate" for e in exchanges) + " |",
+        "|---|---|---:|---:|" + "---:|" * (2 * len(exchanges)),
+    ]
+    groups: dict[tuple[str, int], dict[str, DecodeRow]] = {}
+    for r in rows:
+        groups.setdefault((r.variant.model, r.ranks), {})[r.exchange] = r
+    for by_exchange in groups.values():
+        first = next(iter(by_exchange.values()))
+        measured = [by_exchange.get(e) for e in exchanges]
+        lines.append(
+            f"| {first.variant.model} | {first.variant.heads} | {first.ranks} | {first.context} | "
+            + " | ".join(f"{r.best:.1f}" if r and r.best is not None else "" for r in measured) + " | "
+            + " | ".join(f"{r.estimate_ms:.2f}" if r else "" for r in measured) + " |"
+        )
+    return lines
+
+
+def latency_table(latencies: list[Latency]) -> list[str]:
+    width = max((lat.ranks for lat in latencies), default=0)
+    lines = [
+        "| model | N | from \\ to | " + " | ".join(str(i) for i in range(width))
+        + " | exchange µs | slowest hop µs | ring GB/s |",
+        "|---|---:|---:|" + "---:|" * width + "---:|---:|---:|",
+    ]
+    for lat in latencies:
+        for i, row in enumerate(lat.link_us):
+            cells = ["—" if i == j else f"{us:.0f}" for j, us in enumerate(row)] + [""] * (width - len(row))
+            tail = ([f"{lat.exchange_us:.0f}", f"{lat.hop_us:.0f}", f"{lat.ring_gb_s:.2f}"] if i == 0
+                    else [""] * 3)
+            lines.append(f"| {lat.variant.model} | {lat.ranks} | {i} | " + " | ".join(cells + tail) + " |")
+    return lines
+
+
+def write_comparison(out: Path, result: Comparison, seconds: float) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    data = result.to_json(seconds)
+    m = data["machine"]
+    lines = [
+        "# cpchat bench: prefill algorithms",
+        "",
+        f"Command: `{result.command}`  ",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['system']}; BLAS: {', '.join(data['blas'])}; "
+        f"mlx {m['mlx']}. Ranks are local processes. Best of {result.repeats} repeat(s), every one in "
+        f"results.json; took {seconds:.0f} s.",
+    ]
+    if result.prefill:
+        lines += ["", "## Prefill TTFT, ms", "",
+                  "Each algorithm forced on the same cluster; *auto's pick* is what the cost model chooses "
+                  "from that cluster's calibration, and *auto gap* is its pick's measured TTFT (from the "
+                  "forced runs) over the best one, minus 1. The auto column is auto's own run.", ""]
+        lines += prefill_table(result.prefill)
+        lines += ["", "## The cost model's estimates, ms", "",
+                  "Attention and transfer only (what differs between the algorithms), not a whole TTFT.", ""]
+        lines += estimate_table(result.prefill)
+    if result.decode:
+        lines += ["", f"## Decode, ms per token ({result.decode_tokens} tokens after a pass-KV prefill)", "",
+                  "Partial outputs sent to every rank in one step (exchange) or passed round the ring "
+                  "(ring); the estimates are the cost model's communication time per token.", ""]
+        lines += decode_table(result.decode)
+    if result.latency:
+        lines += ["", "## Link latency, µs one way (a small message)", "",
+                  "As each cluster measured it when it loaded the model; exchange: a small message to every "
+                  "other rank and one from each, at once.", ""]
+        lines += latency_table(result.latency)
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps(data, indent=1))
+    if result.prefill:
+        write_chart(out / "results.png", result.prefill)
+
+
+def write_chart(path: Path, cells: list[PrefillCell]) -> None:
+    """Each cell's TTFT per algorithm relative to its fastest (1 = fastest), auto's pick outlined."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:
+        print("  matplotlib is not installed (pip install 'cpchat[bench]'): no chart", file=sys.stderr)
+        return
+    algorithms = [a for a in PREFILL_ALGORITHMS if any(a in c.ttft_ms for c in cells)]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(cells) + 2), 4))
+    width = 0.8 / max(len(algorithms), 1)
+    for k, algorithm in enumerate(algorithms):
+        for i, c in enumerate(cells):
+            value, best = c.best_ms(algorithm), c.best_ms(c.fastest) if c.fastest else None
+            if value is None or not best:
+                continue
+            picked = algorithm == c.auto_pick
+            ax.bar(i + (k - (len(algorithms) - 1) / 2) * width, value / best, width, color=f"C{k}",
+                   edgecolor="black" if picked else "none", linewidth=1.5 if picked else 0)
+    ax.set_xticks(range(len(cells)))
+    ax.set_xticklabels([f"{c.variant.heads}\nN={c.ranks}\n{c.context}" for c in cells], fontsize=8)
+    ax.set_ylabel("TTFT / fastest (outlined: auto's pick)")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(handles=[Patch(color=f"C{k}", label=COLUMN[a]) for k, a in enumerate(algorithms)])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
