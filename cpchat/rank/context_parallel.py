@@ -27,8 +27,6 @@ from cpchat.rank.kvstore import KVShard
 from cpchat.rank.ring import Ring
 from cpchat.rank.wire import BlockKey, block_nbytes
 
-MODES = ("pass_kv", "pass_q", "all_gather", "ulysses", "decode_exchange", "decode_ring")
-
 
 @dataclass
 class StepTiming:
@@ -55,7 +53,7 @@ class RingPass:
     """One forward of the model over this rank's rows, and how attention crosses the ring."""
 
     request_id: str
-    mode: str  # an algorithm: MODES
+    mode: str  # "pass_kv" | "pass_q" | "all_gather" | "ulysses" (prefill), "decode_exchange" | "decode_ring"
     ring: Ring
     kv: KVShard
     row_offsets: mx.array | int
