@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from cpchat.bench.baseline import prompt_ids
-from cpchat.bench.run import bench_model, in_form, snapshot
+from cpchat.bench.run import bench_model, in_form
 from cpchat.client.cluster import Cluster
 from cpchat.client.events import AlgorithmChoice, Done, Prefill
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
@@ -248,7 +248,7 @@ def prefill_once(cluster: Cluster, tokenizer, ids: list[int], algorithm: str) ->
             prefill = event.ms
         elif isinstance(event, Done):
             ttft = event.ttft_ms
-    ran = "/".join(sorted({s.algorithm for s in snapshot(cluster)}))
+    ran = "/".join(sorted({s.algorithm for s in cluster.stats_once()}))
     return Run(ttft, prefill, ran, session.last_choice)
 
 

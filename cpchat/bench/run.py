@@ -22,7 +22,7 @@ from pathlib import Path
 from cpchat import blas
 from cpchat.bench.baseline import prompt_ids
 from cpchat.bench.wirefloor import floor_rates
-from cpchat.client.cluster import Cluster, RankStats, _rank_stats
+from cpchat.client.cluster import Cluster
 from cpchat.client.events import Done, Prefill
 from cpchat.client.launcher import rank_environment
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
@@ -194,16 +194,6 @@ def attention_only(lengths: list[int]) -> int:
     return 0
 
 
-def snapshot(cluster: Cluster) -> list[RankStats]:
-    """Every rank's stats right now, in rank order."""
-    return [
-        _rank_stats(
-            r, next(iter(r.control.Stats(pb.StatsRequest(once=True), timeout=10, metadata=cluster.metadata)))
-        )
-        for r in cluster.ranks
-    ]
-
-
 def ring_bandwidth(cluster: Cluster, probe_bytes: int, rounds: int = 3) -> float:
     """Bytes/s of the slowest ring link for blocks of probe_bytes (all ranks probe at once)."""
     request = pb.CalibrateRequest(probe_bytes=probe_bytes, rounds=rounds)
@@ -316,7 +306,7 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str) 
                         row.ttft_ms.append(event.ttft_ms)
                         row.decode_tokens_per_s.append(event.decode_tokens_per_s)
                         row.kv_bytes_per_rank = max(r.kv_bytes for r in event.ranks)
-                stats = snapshot(cluster)
+                stats = cluster.stats_once()
                 row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, max(s.peak_rss_bytes for s in stats))
             if n > 1 and not args.no_overlap:
                 row.hidden_share = hidden_share(cluster, ids, args, bandwidth)
@@ -340,7 +330,7 @@ def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> fl
     )
     list(session._generate(ids))
     waited = transfer = 0.0
-    for stats in snapshot(cluster):
+    for stats in cluster.stats_once():
         sent = {(t.layer, t.step): t.bytes_sent for t in stats.ring_steps}
         for t in stats.ring_steps:
             if t.step == 0:
