@@ -33,8 +33,9 @@ cases (tests/test_heuristics.py checks it).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from cpchat.core.sharding import head_split
 
 PREFILL_ALGORITHMS = ("pass_kv", "pass_q", "all_gather", "ulysses")
 ALGORITHMS = ("auto", *PREFILL_ALGORITHMS)
@@ -99,10 +100,9 @@ def prefill_estimates(w: Workload, m: Measured) -> dict[str, float]:
     q = t / n * w.q_heads * w.head_dim * w.bytes_per_element
     out = t / n * w.q_heads * (w.value_dim + 1) * 4
     alpha, alpha_x = m.hop_latency_s, m.exchange_latency_s
-    uneven = math.ceil(w.q_heads / n) * n / w.q_heads
-    group = w.q_heads // w.kv_heads
-    whole_groups = all(bound % group == 0 for bound in _head_bounds(w.q_heads, n))
-    kv_sent = kv if whole_groups else kv * w.q_heads / w.kv_heads
+    shares = head_split(w.q_heads, w.kv_heads, n)
+    uneven = max(s.stop - s.start for s in shares) * n / w.q_heads
+    kv_sent = kv if all(s.whole_groups for s in shares) else kv * w.q_heads / w.kv_heads
     per_layer = {
         "pass_kv": compute / n + (n - 1) * max(compute / n, alpha + kv / b),
         "pass_q": compute + n * (alpha + (q + out) / b),
@@ -135,11 +135,6 @@ def decode_estimates(w: Workload, m: Measured) -> dict[str, float]:
         "exchange": w.layers * (m.exchange_latency_s + (n - 1) * size / b),
         "ring": w.layers * (n - 1) * (m.hop_latency_s + size / b),
     }
-
-
-def _head_bounds(q_heads: int, ranks: int) -> list[int]:
-    """Where Ulysses cuts the query heads between ranks (as `context_parallel.head_split`)."""
-    return [round(q_heads * i / ranks) for i in range(ranks + 1)]
 
 
 def _ms(seconds: float) -> str:

@@ -128,11 +128,9 @@ class RingPass:
     def _send(self, timing: StepTiming, key: BlockKey, tensors: list[mx.array], to: list[int] | None = None
               ) -> None:
         """To the next rank, or to each rank of `to`."""
-        if to is None:
-            self.ring.send(key, tensors)
-        else:
-            self.ring.send_all(key, tensors, to)
-        timing.bytes_sent += block_nbytes(tensors) * (1 if to is None else len(to))
+        to = [self.ring.next_rank] if to is None else to
+        self.ring.send_all(key, tensors, to)
+        timing.bytes_sent += block_nbytes(tensors) * len(to)
 
     def _step(self, layer: int, step: int) -> StepTiming:
         timing = StepTiming(layer, step)
