@@ -8,7 +8,7 @@ import os
 import sys
 
 from cpchat import EXIT_OK, EXIT_USAGE, __version__, blas
-from cpchat.client.cluster import BadInput
+from cpchat.client.cluster import TRANSPORTS, BadInput
 from cpchat.client.connect import ClusterOptions, read_bytes, read_token
 from cpchat.core.heuristics import ALGORITHMS
 
@@ -29,6 +29,9 @@ def app_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", metavar="FILE", help="CA certificate to verify ranks' TLS certificates")
     p.add_argument("--algorithm", choices=ALGORITHMS, default=None,
                    help="how attention crosses the ranks; auto (default) picks the least estimated time")
+    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                   help="how tensors travel between ranks: auto (default) uses shared memory between ranks "
+                        "on one host and gRPC between hosts; grpc: gRPC only; shm: shared memory only")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temp", type=float, default=None, help="sampling temperature; 0 is greedy")
     p.add_argument("--top-p", type=float, default=None)
@@ -121,7 +124,7 @@ def run_rank(argv: list[str]) -> int:
 
 
 def cluster_options(args: argparse.Namespace) -> ClusterOptions:
-    return ClusterOptions(args.attach, args.hostfile, args.token_file, args.tls_ca)
+    return ClusterOptions(args.attach, args.hostfile, args.token_file, args.tls_ca, args.transport)
 
 
 def main(argv: list[str] | None = None) -> int:

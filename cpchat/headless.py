@@ -107,7 +107,8 @@ def run_headless(args: argparse.Namespace, options: ClusterOptions) -> int:
         cluster = connect_cluster(options, settings.ranks, settings.blas)
         cluster.load(model_path)
         out.event(Ready(settings.model or "demo",
-                        [RankAddress(r.rank, r.address, r.blas_label) for r in cluster.ranks]))
+                        [RankAddress(r.rank, r.address, r.blas_label) for r in cluster.ranks],
+                        transport=cluster.transport_label))
         if warning := cluster.slow_blas_warning():
             print(f"cpchat: {warning}", file=sys.stderr, flush=True)
         sampling = SamplingOptions(settings.max_tokens, settings.temp, settings.top_p, settings.seed)

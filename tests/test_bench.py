@@ -48,6 +48,7 @@ def test_bench_writes_results(tmp_path, model_dir):
     assert [t["block_mib"] for t in data["transport"]] == [1, 9]
     for t in data["transport"]:
         assert t["grpc_ring_gb_s"] > 0 and t["grpc_bytes_only_gb_s"] > 0 and t["tcp_socket_gb_s"] > 0
+        assert t["shm_ring_gb_s"] > 0 and t["shm_latency_us"] > 0 and t["grpc_latency_us"] > 0
     table = (out / "results.md").read_text()
     # every row names the BLAS its processes really used, as a separate process detects it
     detect = "from cpchat.blas import in_use; print(in_use().label)"

@@ -1,6 +1,8 @@
 """Context-parallel generation through real rank processes equals mlx-lm's
 single-process greedy generation: same tokens, logprobs within 1e-3."""
 
+import os
+
 import pytest
 from helpers import (
     done_event,
@@ -11,6 +13,8 @@ from helpers import (
     reference_generate,
     run_raw,
 )
+
+from cpchat.client.cluster import Cluster
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 ALGORITHMS = ("pass_kv", "pass_q", "all_gather", "ulysses", "auto")
@@ -53,6 +57,31 @@ def test_two_thousand_token_prompt(clusters, model_dir, arch, ranks, algorithm):
     total = len(ids) + MAX_TOKENS - 1
     assert sum(held) == total
     assert max(held) - min(held) <= -(-len(ids) // (2 * ranks)) + 1
+
+
+def test_local_ranks_send_through_shared_memory(clusters, model_dir):
+    cluster = clusters.get(3, model_dir("llama"))
+    assert cluster.link_transports == [["", "shm", "shm"], ["shm", "", "shm"], ["shm", "shm", ""]]
+    # Three ranks computing on the CPU leave a core to move tensors only on a host of four or more.
+    assert cluster.spare_cores == (len(os.sched_getaffinity(0)) > 3)
+
+
+def test_every_algorithm_over_grpc_alone(model_dir):
+    """The gRPC data plane (what ranks on other hosts use) gives the same answers."""
+    path = model_dir("qwen3")
+    cluster = Cluster.launch(3, transport="grpc")
+    try:
+        cluster.connect()
+        cluster.load(str(path))
+        assert cluster.transport_label == "grpc"
+        for length in (1, 2001):
+            ids = random_prompt(path, length, seed=length)
+            expected = reference_generate(path, ids, MAX_TOKENS)
+            for algorithm in ALGORITHMS:
+                cluster.reset(0)
+                assert_same(run_raw(cluster, path, ids, algorithm, MAX_TOKENS)[0], expected)
+    finally:
+        cluster.close()
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -78,6 +78,7 @@ def test_json_events_match_mlx_lm(model_dir):
     ready, prefill, done = evs[0], evs[1 + steps], evs[-1]
     assert [r["rank"] for r in ready["ranks"]] == [0, 1] and ready["version"] == cpchat.__version__
     assert all(r["address"].startswith("127.0.0.1:") for r in ready["ranks"])
+    assert ready["transport"] == "shm"  # local ranks share memory
     _, tokenizer = reference_model(path)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     assert prefill["turn"] == 0 and prefill["new_tokens"] == len(ids) and prefill["cached_tokens"] == 0

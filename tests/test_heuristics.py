@@ -140,3 +140,21 @@ def test_bad_workloads(kwargs, message):
 def test_bad_measurements(kwargs, message):
     with pytest.raises(ValueError, match=message):
         measured(**kwargs)
+
+
+def test_without_a_spare_core_transfers_add_to_compute():
+    """Ranks that compute on every core of their host have none left to move tensors: pass-KV's
+    hops then cost their full time, and for a multi-head model Ulysses, which moves fewer bytes,
+    wins where pass-KV's hidden transfers won before."""
+    w = workload(new_tokens=16384, q_heads=16, kv_heads=16, head_dim=32, value_dim=32,
+                 bytes_per_element=4, layers=2)
+    spare = measured(per_pair_s=2.6e-7, link_bytes_per_s=1.1e8)  # as the 2-core bench host measured
+    busy = measured(per_pair_s=2.6e-7, link_bytes_per_s=1.1e8, overlap=False)
+    assert choose_algorithm(w, spare).algorithm == "pass_kv"
+    c = choose_algorithm(w, busy)
+    assert c.algorithm == "ulysses" and "no spare core" in c.reason
+    hidden, added = prefill_estimates(w, spare), prefill_estimates(w, busy)
+    kv_block = 16384 / 4 * 16 * 64 * 4
+    assert added["pass_kv"] - hidden["pass_kv"] == pytest.approx(
+        w.layers * 3 * (1e-3 + kv_block / 1.1e8), rel=1e-6)  # compute hid every hop before
+    assert added["ulysses"] == hidden["ulysses"] and added["pass_q"] == hidden["pass_q"]

@@ -153,11 +153,21 @@ def test_ranks_on_separate_hosts_match_mlx_lm(hosts, remote_ranks, model_dir):
     evs = run_ok(attach, token, path, "--max-tokens", "12")
     assert [(r["rank"], r["address"]) for r in evs[0]["ranks"]] == list(enumerate(attach))
     assert all(r["blas"] for r in evs[0]["ranks"])  # each host's rank says what it multiplies with
+    assert evs[0]["transport"] == "grpc"  # no shared memory between hosts
     assert [e["id"] for e in evs if e["event"] == "token"] == expected_tokens(path, 12)
     print(f"\nunshaped bridge: {timings(evs)}")
     # Each rank holds a direct connection to its next neighbour, namespace to namespace.
     for i, ns in enumerate(hosts.namespaces):
         assert established(ns, attach[(i + 1) % RANKS])
+
+
+def test_shared_memory_alone_is_refused_across_hosts(remote_ranks, model_dir):
+    ranks, token = remote_ranks
+    p = headless([r.address for r in ranks], token, model_dir("llama"), "--transport", "shm")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and [json.loads(line)["event"] for line in out.splitlines()] == ["error"]
+    assert err.strip().splitlines()[-1] == ("cpchat: --transport shm needs every rank on one host, "
+                                            "but rank 0 reaches rank 1 only over the network")
 
 
 def timings(evs: list[dict]) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 from cpchat import blas
 from cpchat.bench.baseline import prompt_ids
 from cpchat.bench.wirefloor import floor_rates
-from cpchat.client.cluster import Cluster
+from cpchat.client.cluster import TRANSPORTS, Cluster
 from cpchat.client.events import Done, Prefill
 from cpchat.client.launcher import rank_environment
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
@@ -86,6 +86,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--transport", default="1,4,16,64", help="block sizes in MiB for the ring benchmark ('' skips)"
     )
+    p.add_argument("--data-planes", default="auto", metavar="LIST",
+                   help="the cpchat rows' transports, a comma list of auto, grpc, shm (one row each)")
     p.add_argument(
         "--no-baseline", action="store_true", help="skip mlx-lm (e.g. for contexts it cannot hold)"
     )
@@ -130,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
                         else bench_model(args.hidden, args.layers, args.heads, kv_heads), args.form))
     contexts = [int(c) for c in args.contexts.split(",") if c]
     ranks = [int(n) for n in args.ranks.split(",") if n]
+    planes = [t.strip() for t in args.data_planes.split(",") if t.strip()]
+    if not planes or any(t not in TRANSPORTS for t in planes):
+        print(f"cpchat bench: --data-planes: expected a comma list of {', '.join(TRANSPORTS)}",
+              file=sys.stderr)
+        return 2
     rows: list[Row] = []
     started = time.time()
     for blas_choice in blas_modes:
@@ -138,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_baseline(model, context, args, blas_choice))
                 report_progress(rows[-1])
         for n in ranks:
-            rows.extend(run_cpchat(model, n, contexts, args, blas_choice))
+            for data_plane in planes if n > 1 else planes[:1]:
+                rows.extend(run_cpchat(model, n, contexts, args, blas_choice, data_plane))
     transport = run_transport([int(s) * MB for s in args.transport.split(",") if s]) if args.transport else []
     out = Path(args.out)
     write_report(out, rows, transport, args, model, time.time() - started)
@@ -196,11 +204,19 @@ def attention_only(lengths: list[int]) -> int:
 
 def ring_bandwidth(cluster: Cluster, probe_bytes: int, rounds: int = 3) -> float:
     """Bytes/s of the slowest ring link for blocks of probe_bytes (all ranks probe at once)."""
+    return ring_link(cluster, probe_bytes, rounds)[0]
+
+
+def ring_link(cluster: Cluster, probe_bytes: int, rounds: int = 3) -> tuple[float, float]:
+    """(bytes/s of the slowest ring link for blocks of probe_bytes, the slowest link's one-way
+    latency for a small message in seconds), as the ranks measure them together."""
     request = pb.CalibrateRequest(probe_bytes=probe_bytes, rounds=rounds)
     calls = [
         r.control.Calibrate.future(request, timeout=300, metadata=cluster.metadata) for r in cluster.ranks
     ]
-    return min(c.result().ring_bytes_per_s for c in calls)
+    replies = [c.result() for c in calls]
+    return (min(r.ring_bytes_per_s for r in replies),
+            max(max(r.link_latency_s, default=0.0) for r in replies))
 
 
 def bench_model(hidden: int, layers: int, heads: int | None = None, kv_heads: int | None = None) -> Path:
@@ -276,8 +292,9 @@ def run_baseline(model: str, context: int, args, blas_choice: str) -> Row:
     return row
 
 
-def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str) -> list[Row]:
-    cluster = Cluster.launch(n, blas_choice=blas_choice, pin_cpus=args.pin)
+def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, transport: str = "auto"
+               ) -> list[Row]:
+    cluster = Cluster.launch(n, blas_choice=blas_choice, pin_cpus=args.pin, transport=transport)
     rows = []
     try:
         cluster.connect()
@@ -287,7 +304,9 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str) 
         measured_blas = " / ".join(sorted({r.blas_label for r in cluster.ranks}))
         for context in contexts:
             ids = prompt_ids(cluster.model.vocab_size, context)
-            row = Row(f"cpchat N={n}", n, context, blas=measured_blas,
+            plane = f" {cluster.transport_label}" if n > 1 and transport != "auto" else ""
+            system = f"cpchat N={n}{plane}"
+            row = Row(system, n, context, blas=measured_blas,
                       estimate_s=cluster.prefill_cost.seconds(context, 0, n))
             for _ in range(args.repeats):
                 cluster.reset(0)
@@ -345,30 +364,36 @@ TRANSPORT_ROUNDS = 10  # blocks timed back to back per size, after one untimed w
 
 
 def run_transport(sizes: list[int]) -> list[dict]:
-    """The gRPC ring next to mx.distributed's ring backend and to what the wire allows
-    (gRPC Python moving ready-made bytes, a plain TCP socket); 2 local processes each,
-    both directions busy at once."""
-    results = []
-    cluster = Cluster.launch(2)
-    try:
-        cluster.connect()
-        ring_rates = {size: ring_bandwidth(cluster, size, TRANSPORT_ROUNDS) for size in sizes}
-    finally:
-        cluster.close()
+    """cpchat's ring over gRPC and over shared memory, next to mx.distributed's ring backend and to
+    what the wire allows (gRPC Python moving ready-made bytes, a plain TCP socket); 2 local
+    processes each, both directions busy at once. Each row also has the small-message latency."""
+    ours: dict[str, dict[int, tuple[float, float]]] = {}
+    for transport in ("grpc", "shm"):
+        cluster = Cluster.launch(2, transport=transport)
+        try:
+            cluster.connect()
+            ours[transport] = {size: ring_link(cluster, size, TRANSPORT_ROUNDS) for size in sizes}
+        finally:
+            cluster.close()
     mx_rates = mx_distributed_rates(sizes)
     floor = floor_rates(sizes, TRANSPORT_ROUNDS, env=rank_environment())
+    results = []
     for size in sizes:
         row = {
             "block_mib": size // MB,
-            "grpc_ring_gb_s": ring_rates[size] / 1e9,
+            "grpc_ring_gb_s": ours["grpc"][size][0] / 1e9,
+            "shm_ring_gb_s": ours["shm"][size][0] / 1e9,
+            "grpc_latency_us": ours["grpc"][size][1] * 1e6,
+            "shm_latency_us": ours["shm"][size][1] * 1e6,
             "mx_distributed_gb_s": mx_rates.get(size, 0.0) / 1e9,
             "grpc_bytes_only_gb_s": floor.get("grpc", {}).get(size, 0.0) / 1e9,
             "tcp_socket_gb_s": floor.get("socket", {}).get(size, 0.0) / 1e9,
         }
         results.append(row)
         print(
-            f"  ring {size // MB:>3} MiB: cpchat {row['grpc_ring_gb_s']:.2f} GB/s, "
-            f"mx.distributed {row['mx_distributed_gb_s']:.2f}, "
+            f"  ring {size // MB:>3} MiB: cpchat gRPC {row['grpc_ring_gb_s']:.2f} GB/s "
+            f"({row['grpc_latency_us']:.0f} µs), shared memory {row['shm_ring_gb_s']:.2f} "
+            f"({row['shm_latency_us']:.0f} µs), mx.distributed {row['mx_distributed_gb_s']:.2f}, "
             f"gRPC bytes only {row['grpc_bytes_only_gb_s']:.2f}, TCP socket {row['tcp_socket_gb_s']:.2f}",
             file=sys.stderr,
             flush=True,
@@ -439,14 +464,17 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         lines += [
             "",
             f"Ring transport, GB/s per link: 2 local processes, both directions at once, "
-            f"{TRANSPORT_ROUNDS} blocks back to back after a warm-up block.",
+            f"{TRANSPORT_ROUNDS} blocks back to back after a warm-up block. Latency: one way, a small "
+            f"message (half the best of 5 round trips), measured beside each row's blocks.",
             "",
-            "| block | cpchat gRPC ring | mx.distributed ring | gRPC Python, bytes only | TCP socket |",
-            "|---:|---:|---:|---:|---:|",
+            "| block | cpchat gRPC ring | cpchat shared memory | mx.distributed ring "
+            "| gRPC Python, bytes only | TCP socket | gRPC latency µs | shared-memory latency µs |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         lines += [
-            f"| {t['block_mib']} MiB | {t['grpc_ring_gb_s']:.2f} | {t['mx_distributed_gb_s']:.2f} "
-            f"| {t['grpc_bytes_only_gb_s']:.2f} | {t['tcp_socket_gb_s']:.2f} |"
+            f"| {t['block_mib']} MiB | {t['grpc_ring_gb_s']:.2f} | {t['shm_ring_gb_s']:.2f} "
+            f"| {t['mx_distributed_gb_s']:.2f} | {t['grpc_bytes_only_gb_s']:.2f} "
+            f"| {t['tcp_socket_gb_s']:.2f} | {t['grpc_latency_us']:.0f} | {t['shm_latency_us']:.0f} |"
             for t in transport
         ]
     (out / "results.md").write_text("\n".join(lines) + "\n")

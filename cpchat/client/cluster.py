@@ -22,6 +22,9 @@ from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 
 TOKEN_HEADER = "x-cpchat-token"
+# How tensors travel between ranks: shared memory between ranks on one host and gRPC between hosts
+# (auto), gRPC only, or shared memory only (every rank on this host).
+TRANSPORTS = ("auto", "grpc", "shm")
 HEALTH_INTERVAL_S = 1.0
 HEALTH_DEADLINE_S = 2.0
 CHANNEL_OPTIONS = [
@@ -66,6 +69,8 @@ class RankHandle:
     local: LocalRank | None = None
     state: str = "starting"
     blas: pb.Blas = field(default_factory=pb.Blas)  # from Health, at connect
+    cpu_cores: int = 0  # from Health: the cores it may run on
+    computes_on_cpu: bool = False  # from Health: no accelerator
 
     @property
     def label(self) -> str:
@@ -126,8 +131,11 @@ class Cluster:
         token: str | None = None,
         tls_ca: bytes | None = None,
         local: list[LocalRank] | None = None,
+        transport: str = "auto",
     ) -> None:
-        self.token, self.tls_ca = token, tls_ca
+        if transport not in TRANSPORTS:
+            raise BadInput(f"unknown transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
+        self.token, self.tls_ca, self.transport = token, tls_ca, transport
         self.metadata = ((TOKEN_HEADER, token),) if token else ()
         self.ranks: list[RankHandle] = []
         for i, address in enumerate(addresses):
@@ -145,6 +153,7 @@ class Cluster:
         self.exchange_latency_s = 0.0
         self.prefill_cost: PrefillCost | None = None
         self.ring_id = ""
+        self.link_transports: list[list[str]] = []  # [from rank][to rank]: "shm" | "grpc" | "" (itself)
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(addresses)))
         self._current_request = ""
         self._lock = threading.Lock()
@@ -155,14 +164,15 @@ class Cluster:
     # ---- life cycle
 
     @classmethod
-    def launch(cls, num_ranks: int, blas_choice: str = "auto", pin_cpus: bool = False) -> Cluster:
+    def launch(cls, num_ranks: int, blas_choice: str = "auto", pin_cpus: bool = False,
+               transport: str = "auto") -> Cluster:
         try:
             local = launch_local_ranks(num_ranks, blas_choice, pin_cpus)
         except LaunchError as e:
             raise BackendError(str(e)) from None
         except BlasUnavailable as e:
             raise BadInput(str(e)) from None
-        return cls([r.address for r in local], local=local)
+        return cls([r.address for r in local], local=local, transport=transport)
 
     @property
     def size(self) -> int:
@@ -218,18 +228,50 @@ class Cluster:
                     raise
                 # Waiting hides why the connection failed; one plain call reports it.
                 reply = r.control.Health(request, timeout=2.0, metadata=self.metadata)
-            r.blas = reply.blas
+            r.blas, r.cpu_cores, r.computes_on_cpu = reply.blas, reply.cpu_cores, reply.computes_on_cpu
+            return reply.shm_endpoint
 
-        self._each(health, connecting=True)
+        endpoints = self._each(health, connecting=True)
         self.ring_id = uuid.uuid4().hex
         addresses = [r.address for r in self.ranks]
+        if self.transport == "grpc":
+            endpoints = []
 
-        def configure(r: RankHandle) -> None:
-            r.control.Configure(pb.ConfigureRequest(rank=r.rank, addresses=addresses, ring_id=self.ring_id),
-                                timeout=timeout, metadata=self.metadata)
+        def configure(r: RankHandle) -> list[str]:
+            reply = r.control.Configure(
+                pb.ConfigureRequest(rank=r.rank, addresses=addresses, ring_id=self.ring_id,
+                                    shm_endpoints=endpoints),
+                timeout=timeout, metadata=self.metadata)
             r.state = "idle"
+            return list(reply.transports) or ["" if i == r.rank else "grpc" for i in range(self.size)]
 
-        self._each(configure)
+        self.link_transports = self._each(configure)
+        remote = [(i, j) for i, row in enumerate(self.link_transports)
+                  for j, t in enumerate(row) if t == "grpc"]
+        if self.transport == "shm" and remote:
+            i, j = remote[0]
+            raise BadInput(f"--transport shm needs every rank on one host, but rank {i} reaches rank {j} "
+                           f"only over the network")
+
+    @property
+    def spare_cores(self) -> bool:
+        """Whether every host has a CPU core beyond those its ranks compute on, to move their tensors
+        while they compute. Ranks share a host when they share memory or an address."""
+        for r in self.ranks:
+            if not r.computes_on_cpu:
+                continue
+            on_host = [s for s in self.ranks
+                       if s.address.rsplit(":", 1)[0] == r.address.rsplit(":", 1)[0]
+                       or (self.link_transports and self.link_transports[r.rank][s.rank] == "shm")]
+            if len(on_host) >= r.cpu_cores:
+                return False
+        return True
+
+    @property
+    def transport_label(self) -> str:
+        """How the ranks' tensors travel: "shm", "grpc", or "shm+grpc" for a mix."""
+        used = {t for row in self.link_transports for t in row if t}
+        return "+".join(t for t in ("shm", "grpc") if t in used) or "none"
 
     def slow_blas_warning(self) -> str | None:
         """One line for ranks whose CPU products run on the reference BLAS, with the fix."""

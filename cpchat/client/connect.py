@@ -19,6 +19,7 @@ class ClusterOptions:
     hostfile: str | None = None
     token_file: str | None = None
     tls_ca: str | None = None
+    transport: str = "auto"  # one of cluster.TRANSPORTS
 
     @property
     def attached(self) -> bool:
@@ -54,9 +55,9 @@ def connect_cluster(options: ClusterOptions, ranks: int, blas_choice: str = "aut
     tls_ca = read_bytes(options.tls_ca, "CA certificate")
     if options.attached:
         addresses = parse_addresses(options.attach) if options.attach else read_hostfile(options.hostfile)
-        cluster = Cluster(addresses, token=token, tls_ca=tls_ca)
+        cluster = Cluster(addresses, token=token, tls_ca=tls_ca, transport=options.transport)
     else:
-        cluster = Cluster.launch(ranks, blas_choice)
+        cluster = Cluster.launch(ranks, blas_choice, transport=options.transport)
     try:
         cluster.connect()
     except BaseException:

@@ -183,7 +183,7 @@ class Session:
         c = self.cluster
         per_pair = c.prefill_cost.per_pair_s if c.prefill_cost and c.prefill_cost.per_pair_s else 1e-9
         return Measured(per_pair, max(min(c.ring_bytes_per_s, 1e15), 1.0), c.hop_latency_s,
-                        c.exchange_latency_s)
+                        c.exchange_latency_s, overlap=c.spare_cores)
 
     # ---- a turn
 

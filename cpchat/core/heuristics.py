@@ -20,9 +20,13 @@ one from each, at once). Per layer:
                                                       uneven head split, Ku the K/V sent (Hkv heads, or
                                                       Hq when a query group is cut between ranks)
 
-and a prefill's estimate is L times its layer. Decode (one new token after a cache) exchanges
-only partial outputs, S = Hq (Dv + 1) · 4 bytes per rank: over the ring (N-1)(α + S/B) per layer,
-in one exchange α_x + (N-1) S/B.
+and a prefill's estimate is L times its layer. Moving bytes takes a CPU core too: where ranks
+compute on every core of their host (CPU ranks, as many as the host has cores), nothing is left to
+move them while they compute, and pass-KV's and all-gather's transfers add to their compute instead
+of hiding behind it (`Measured.overlap` false): C + (N-1)(α + K/B) and C + α_x + (N-1) K/B.
+
+Decode (one new token after a cache) exchanges only partial outputs, S = Hq (Dv + 1) · 4 bytes per
+rank: over the ring (N-1)(α + S/B) per layer, in one exchange α_x + (N-1) S/B.
 
 Meta's rule (arXiv 2411.01783, section 3) is this model restricted to pass-KV and pass-Q:
 pass-KV when T/(T+P) ≥ 2 Hkv/Hq (then K ≤ Q, so every pass-KV hop costs less than a pass-Q one)
@@ -75,6 +79,7 @@ class Measured:
     link_bytes_per_s: float
     hop_latency_s: float  # one small message to a ring neighbour
     exchange_latency_s: float  # a small message to every other rank and one from each
+    overlap: bool = True  # a core is free to move tensors while the ranks compute
 
     def __post_init__(self) -> None:
         if self.per_pair_s <= 0 or self.link_bytes_per_s <= 0:
@@ -103,13 +108,18 @@ def prefill_estimates(w: Workload, m: Measured) -> dict[str, float]:
     shares = head_split(w.q_heads, w.kv_heads, n)
     uneven = max(s.stop - s.start for s in shares) * n / w.q_heads
     kv_sent = kv if all(s.whole_groups for s in shares) else kv * w.q_heads / w.kv_heads
+    hidden = max if m.overlap else sum_of  # a transfer beside compute: hidden, or added
     per_layer = {
-        "pass_kv": compute / n + (n - 1) * max(compute / n, alpha + kv / b),
+        "pass_kv": compute / n + (n - 1) * hidden(compute / n, alpha + kv / b),
         "pass_q": compute + n * (alpha + (q + out) / b),
-        "all_gather": max(compute / n, alpha_x + (n - 1) * kv / b) + (n - 1) * compute / n,
+        "all_gather": hidden(compute / n, alpha_x + (n - 1) * kv / b) + (n - 1) * compute / n,
         "ulysses": uneven * compute + 2 * alpha_x + (n - 1) / n * (q + kv_sent + out) / b,
     }
     return {name: seconds * w.layers for name, seconds in per_layer.items()}
+
+
+def sum_of(*seconds: float) -> float:
+    return sum(seconds)
 
 
 def choose_algorithm(w: Workload, m: Measured, candidates: tuple[str, ...] = PREFILL_ALGORITHMS) -> Choice:
@@ -122,7 +132,8 @@ def choose_algorithm(w: Workload, m: Measured, candidates: tuple[str, ...] = PRE
         return Choice(best, estimates, "one rank: nothing crosses")
     ranked = sorted(estimates, key=estimates.get)
     runner_up = f", {NAMES[ranked[1]]} {_ms(estimates[ranked[1]])}" if len(ranked) > 1 else ""
-    return Choice(best, estimates, f"least estimated: {NAMES[best]} {_ms(estimates[best])}{runner_up}")
+    busy = "" if m.overlap else " (no spare core: transfers add to compute)"
+    return Choice(best, estimates, f"least estimated: {NAMES[best]} {_ms(estimates[best])}{runner_up}{busy}")
 
 
 def decode_estimates(w: Workload, m: Measured) -> dict[str, float]:

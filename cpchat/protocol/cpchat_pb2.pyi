@@ -51,18 +51,22 @@ HEADS: FrameKind
 OUTPUT: FrameKind
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("rank", "addresses", "ring_id")
+    __slots__ = ("rank", "addresses", "ring_id", "shm_endpoints")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     RING_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     addresses: _containers.RepeatedScalarFieldContainer[str]
     ring_id: str
-    def __init__(self, rank: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., ring_id: _Optional[str] = ...) -> None: ...
+    shm_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., ring_id: _Optional[str] = ..., shm_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ConfigureReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("transports",)
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transports: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
     __slots__ = ("model",)
@@ -275,16 +279,22 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "rank", "pid", "blas")
+    __slots__ = ("state", "rank", "pid", "blas", "shm_endpoint", "cpu_cores", "computes_on_cpu")
     STATE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     BLAS_FIELD_NUMBER: _ClassVar[int]
+    SHM_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTES_ON_CPU_FIELD_NUMBER: _ClassVar[int]
     state: str
     rank: int
     pid: int
     blas: Blas
-    def __init__(self, state: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., blas: _Optional[_Union[Blas, _Mapping]] = ...) -> None: ...
+    shm_endpoint: str
+    cpu_cores: int
+    computes_on_cpu: bool
+    def __init__(self, state: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., blas: _Optional[_Union[Blas, _Mapping]] = ..., shm_endpoint: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., computes_on_cpu: _Optional[bool] = ...) -> None: ...
 
 class Blas(_message.Message):
     __slots__ = ("name", "version", "library", "fix")

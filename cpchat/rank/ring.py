@@ -1,7 +1,8 @@
-"""The ring: a long-lived gRPC stream from this rank to every other one (the
-ring algorithms use the one to the next rank; all-gather, Ulysses and the
-one-step decode exchange use them all), and a mailbox for the blocks that
-arrive, keyed by their sender.
+"""The ring: a long-lived link from this rank to every other one (the ring
+algorithms use the one to the next rank; all-gather, Ulysses and the one-step
+decode exchange use them all), and a mailbox for the blocks that arrive, keyed
+by their sender. A link is a gRPC stream, or shared memory to a rank on the
+same host (cpchat/rank/shm.py).
 
 Sending is asynchronous (a queue drained by gRPC's own thread), so the
 engine computes on one block while the next travels. Tensors cross threads
@@ -32,8 +33,34 @@ class Aborted(RuntimeError):
     """The running request was cancelled."""
 
 
-class RingLink:
-    """The stream from this rank to one other rank."""
+class Link:
+    """Blocks from this rank to one other rank, sent in order by a thread of the link's own (gRPC's
+    stream here, a shared-memory ring buffer in `shm.SharedMemoryLink`)."""
+
+    transport = ""
+
+    def __init__(self, ring_id: str, rank: int, peer: str) -> None:
+        self.ring_id, self.rank, self.peer = ring_id, rank, peer
+        self.error: str | None = None
+        self._queue: queue.Queue = queue.Queue()
+
+    def put(self, key: BlockKey, tensors: list[HostTensor]) -> None:
+        """Queue a block (already in host memory) for sending."""
+        self._queue.put((key, tensors))
+
+    def close(self) -> None:
+        self._queue.put(_CLOSE)
+
+    def _blocks(self) -> Iterator[tuple[BlockKey, list[HostTensor]]]:
+        """The queued blocks, until the link is closed."""
+        while (item := self._queue.get()) is not _CLOSE:
+            yield item
+
+
+class RingLink(Link):
+    """The gRPC stream from this rank to one other rank."""
+
+    transport = "grpc"
 
     def __init__(
         self,
@@ -43,9 +70,7 @@ class RingLink:
         peer: str,
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
-        self.ring_id, self.rank, self.peer = ring_id, rank, peer
-        self.error: str | None = None
-        self._queue: queue.Queue = queue.Queue()
+        super().__init__(ring_id, rank, peer)
         self._channel = channel
         # Frames arrive already serialized (wire.block_frames), so no request serializer.
         self._link = channel.stream_unary("/cpchat.Ring/Link", response_deserializer=pb.LinkClosed.FromString)
@@ -53,19 +78,8 @@ class RingLink:
         self._thread = threading.Thread(target=self._run, name="ring-link", daemon=True)
         self._thread.start()
 
-    def put(self, key: BlockKey, tensors: list[HostTensor]) -> None:
-        """Queue a block (already in host memory) for sending."""
-        self._queue.put((key, tensors))
-
-    def close(self) -> None:
-        self._queue.put(_CLOSE)
-
-    def _frames(self) -> Iterator[pb.Frame]:
-        while True:
-            item = self._queue.get()
-            if item is _CLOSE:
-                return
-            key, tensors = item
+    def _frames(self) -> Iterator[bytes]:
+        for key, tensors in self._blocks():
             try:
                 yield from block_frames(self.ring_id, key, self.rank, tensors)
             except Exception as e:  # gRPC would hide this behind "Exception iterating requests!"
@@ -111,7 +125,7 @@ class Mailbox:
                 self._cond.notify_all()
 
     def take(self, key: BlockKey, source: int, abort: threading.Event,
-             links: Iterable[RingLink] = ()) -> list[HostTensor]:
+             links: Iterable[Link] = ()) -> list[HostTensor]:
         """Wait for `source`'s block; raise Aborted or RingBroken instead of waiting forever."""
         with self._cond:
             while (key, source) not in self._done:
@@ -142,7 +156,7 @@ class Mailbox:
 class Ring:
     """This rank's view of the ring: links to the other ranks, and the mailbox of what they sent."""
 
-    def __init__(self, rank: int, size: int, links: dict[int, RingLink], mailbox: Mailbox) -> None:
+    def __init__(self, rank: int, size: int, links: dict[int, Link], mailbox: Mailbox) -> None:
         self.rank, self.size, self.links, self.mailbox = rank, size, links, mailbox
 
     @property

@@ -26,7 +26,8 @@ from cpchat.core.estimate import PrefillCost
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 from cpchat.rank.engine import BadRequest, Engine, UnsupportedModel
-from cpchat.rank.ring import Aborted, Mailbox, Ring, RingBroken, RingLink
+from cpchat.rank.ring import Aborted, Link, Mailbox, Ring, RingBroken, RingLink
+from cpchat.rank.shm import SharedMemoryLink, SharedMemoryListener
 from cpchat.rank.wire import CHUNK_BYTES, DTYPES, MAX_BLOCK_BYTES, BlockKey, FrameError, parse_frame
 
 TOKEN_HEADER = "x-cpchat-token"
@@ -117,6 +118,7 @@ class RankState:
         self.addresses: list[str] = []
         self.ring_id = ""
         self.ring: Ring | None = None
+        self.shm: SharedMemoryListener | None = None  # set by serve(): links from ranks on this host
         self.changed = threading.Condition()  # Stats streams send a state change as it happens
         self.changes = 0
         self._state = "idle"
@@ -129,6 +131,7 @@ class RankState:
         # Every MLX operation of the rank runs on this one thread: an array made lazily on one
         # thread cannot be evaluated on another (mlx-lm's RoPE tables, bfloat16 views, KV buffers).
         self.mlx = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+        self.computes_on_cpu = self.on_mlx(mx.default_device) == mx.cpu
         # The standard health service, for grpcurl, Kubernetes probes and load balancers. A Watch
         # stream holds a server thread (as Stats does) so that `set` never waits on a watcher.
         self.health = health.HealthServicer(experimental_non_blocking=False)
@@ -164,8 +167,12 @@ class RankState:
 
     # ---- ring
 
-    def configure(self, rank: int, addresses: list[str], ring_id: str) -> None:
+    def configure(self, rank: int, addresses: list[str], ring_id: str, shm_endpoints: list[str] = ()
+                  ) -> list[str]:
+        """Join the ring; returns how this rank sends to each rank ("shm", "grpc", "" for itself)."""
         check_ring(rank, addresses, ring_id)
+        if shm_endpoints and len(shm_endpoints) != len(addresses):
+            raise BadRequest(f"{len(shm_endpoints)} shared-memory endpoints for {len(addresses)} ranks")
         if not self._acquire_for_configure():
             raise NotNow(f"rank is busy with {self.activity}; it cannot join a new ring until that ends")
         try:
@@ -173,15 +180,25 @@ class RankState:
                 self.ring.close()
             self.rank, self.addresses, self.ring_id = rank, list(addresses), ring_id or uuid.uuid4().hex
             links = {
-                peer: RingLink(self.channel(address), self.ring_id, rank, address, self.metadata())
+                peer: self._link(address, shm_endpoints[peer] if shm_endpoints else "")
                 for peer, address in enumerate(addresses) if peer != rank
             }
             self.ring = Ring(rank, len(addresses), links, Mailbox(self.validate_frame))
             self.calibrations = 0  # probe ids must agree across the ring, a replacement rank included
             if self.engine.kv is not None:
                 self.on_mlx(self.engine.reset, 0)
+            return [links[peer].transport if peer in links else "" for peer in range(len(addresses))]
         finally:
             self.busy.release()
+
+    def _link(self, address: str, shm_endpoint: str) -> Link:
+        """Shared memory to a rank whose endpoint this rank can reach (one on this host), else gRPC."""
+        if shm_endpoint:
+            try:
+                return SharedMemoryLink(shm_endpoint, self.ring_id, self.rank, address, self.token)
+            except OSError:
+                pass  # on another host (or network namespace)
+        return RingLink(self.channel(address), self.ring_id, self.rank, address, self.metadata())
 
     def _acquire_for_configure(self) -> bool:
         """Take the rank at once if idle; wait a little only for a request that is already
@@ -227,6 +244,12 @@ class RankState:
             raise FrameError(f"tensor of {nbytes} bytes exceeds the {MAX_BLOCK_BYTES} byte limit")
         if data_bytes > CHUNK_BYTES:
             raise FrameError(f"frame of {data_bytes} bytes exceeds the {CHUNK_BYTES} byte chunk limit")
+
+    def receive(self, frame: pb.Frame, data: memoryview) -> None:
+        """One frame from a link; raises FrameError (or NotNow) for one that does not fit."""
+        if self.ring is None:
+            raise FrameError("this rank is not part of a ring")
+        self.ring.mailbox.put(frame, data)
 
     def link_closed(self, ring_id: str, source: int) -> None:
         if self.ring is not None and ring_id == self.ring_id:
@@ -362,10 +385,11 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def Configure(self, request, context):
         try:
-            self.s.configure(request.rank, list(request.addresses), request.ring_id)
+            transports = self.s.configure(request.rank, list(request.addresses), request.ring_id,
+                                          list(request.shm_endpoints))
         except BadRequest as e:
             context.abort(status_of(e), str(e))
-        return pb.ConfigureReply()
+        return pb.ConfigureReply(transports=transports)
 
     def LoadModel(self, request, context):
         if not self.s.busy.acquire(blocking=False):
@@ -478,7 +502,10 @@ class ControlServicer(pb_grpc.ControlServicer):
         return pb.ResetReply(kv_tokens=len(self.s.engine.kv) if self.s.engine.kv else 0)
 
     def Health(self, request, context):
-        return pb.HealthReply(state=self.s.state, rank=self.s.rank, pid=os.getpid(), blas=self.s.blas)
+        return pb.HealthReply(state=self.s.state, rank=self.s.rank, pid=os.getpid(), blas=self.s.blas,
+                              shm_endpoint=self.s.shm.endpoint if self.s.shm else "",
+                              cpu_cores=len(os.sched_getaffinity(0)),
+                              computes_on_cpu=self.s.computes_on_cpu)
 
     def Shutdown(self, request, context):
         self.stop.set()
@@ -507,12 +534,11 @@ class RingServicer(pb_grpc.RingServicer):
         ring_id, source = None, 0
         try:
             for raw in request_iterator:
-                ring = self.s.ring
-                if ring is None:
+                if self.s.ring is None:
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this rank is not part of a ring")
                 try:
                     frame, data = parse_frame(raw)
-                    ring.mailbox.put(frame, data)
+                    self.s.receive(frame, data)
                 except (FrameError, ValueError) as e:
                     ring_id = None
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad frame: {e}")
@@ -581,6 +607,7 @@ def serve(
     """Run a rank until Shutdown, SIGTERM, or the death of its parent."""
     stop = threading.Event()
     state = RankState(token, tls_ca)
+    state.shm = SharedMemoryListener(token, state.receive, state.link_closed)
     interceptors = [TokenCheck(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=SERVER_OPTIONS,
                          interceptors=interceptors)
@@ -605,6 +632,7 @@ def serve(
         pass
     state.health.enter_graceful_shutdown()  # NOT_SERVING for the grace period, to balancers
     server.stop(grace=0.5).wait()
+    state.shm.close()
 
 
 def _watch_parent(parent_pid: int, stop: threading.Event) -> None:

@@ -137,12 +137,10 @@ def parse_frame(raw: bytes) -> tuple[pb.Frame, memoryview]:
         raise FrameError(f"malformed frame header: {e}") from None
 
 
-def block_frames(ring_id: str, key: BlockKey, source_rank: int, tensors: list[HostTensor]) -> Iterator[bytes]:
-    """Serialized `Frame` messages for one block.
-
-    The header is serialized by protobuf and the data field appended by hand, so
-    each chunk's bytes are copied once, straight from the tensor's buffer.
-    """
+def block_chunks(ring_id: str, key: BlockKey, source_rank: int, tensors: list[HostTensor]
+                 ) -> Iterator[tuple[bytes, memoryview]]:
+    """One block as (serialized `Frame` header without its data, that frame's data bytes) pairs:
+    each tensor cut into chunks of at most CHUNK_BYTES."""
     for index, t in enumerate(tensors):
         raw = t.raw()
         count = max(1, -(-len(raw) // CHUNK_BYTES))
@@ -161,8 +159,17 @@ def block_frames(ring_id: str, key: BlockKey, source_rank: int, tensors: list[Ho
                 dtype=t.dtype,
                 shape=list(t.data.shape),
             ).SerializeToString()
-            data = raw[chunk * CHUNK_BYTES : (chunk + 1) * CHUNK_BYTES]
-            yield b"".join((header, _DATA_TAG, _varint(len(data)), data))
+            yield header, raw[chunk * CHUNK_BYTES : (chunk + 1) * CHUNK_BYTES]
+
+
+def block_frames(ring_id: str, key: BlockKey, source_rank: int, tensors: list[HostTensor]) -> Iterator[bytes]:
+    """Serialized `Frame` messages for one block.
+
+    The header is serialized by protobuf and the data field appended by hand, so
+    each chunk's bytes are copied once, straight from the tensor's buffer.
+    """
+    for header, data in block_chunks(ring_id, key, source_rank, tensors):
+        yield b"".join((header, _DATA_TAG, _varint(len(data)), data))
 
 
 def block_nbytes(tensors: list[mx.array]) -> int:

@@ -202,7 +202,8 @@ class ChatScreen(Screen):
         cluster = self.backend.cluster
         assert cluster is not None and cluster.model is not None
         ranks = [RankInfo(r.rank, r.address, r.blas_label, r.slow_blas) for r in cluster.ranks]
-        return BackendReady(cluster.model, ranks, description, cluster.slow_blas_warning())
+        return BackendReady(cluster.model, ranks, description, cluster.slow_blas_warning(),
+                            cluster.transport_label)
 
     async def on_backend_ready(self, message: BackendReady) -> None:
         self.model = message.model
@@ -214,6 +215,7 @@ class ChatScreen(Screen):
         await panel.set_ranks([RankStats(r.rank, r.address, "ready", blas=r.blas, slow_blas=r.slow_blas)
                                for r in message.ranks])
         self.query_one(ThroughputPanel).context_max = message.model.max_context
+        self.query_one(RingPanel).transport = message.transport
         name = Path(message.model.name).name or message.model.name
         self.app.sub_title = f"{name} · {len(message.ranks)} ranks"
         if message.description and not self.settings.model:

@@ -28,10 +28,11 @@ class BackendReady(Message):
     """The ring is formed and the model loaded on every rank."""
 
     def __init__(self, model: ModelInfo, ranks: list[RankInfo], description: str = "",
-                 blas_warning: str | None = None) -> None:
+                 blas_warning: str | None = None, transport: str = "") -> None:
         super().__init__()
         self.model, self.ranks, self.description = model, ranks, description
         self.blas_warning = blas_warning  # the ranks multiply with the slow reference BLAS
+        self.transport = transport  # how tensors travel between the ranks: "shm", "grpc", "shm+grpc"
 
 
 class BackendFailed(Message):

@@ -97,9 +97,11 @@ class RingChart(Widget):
 
 
 class RingPanel(VerticalGroup):
-    """`mode` is the session's setting; `choice` the last prefill's decision; `steps` the last pass."""
+    """`mode` is the session's setting; `choice` the last prefill's decision; `transport` how tensors
+    travel between the ranks; `steps` the last pass."""
 
     mode: reactive[str] = reactive("auto")
+    transport: reactive[str] = reactive("")
     choice: reactive[AlgorithmChoice | None] = reactive(None)
     shown: reactive[str] = reactive("auto")  # the algorithm the panel names
 
@@ -122,6 +124,9 @@ class RingPanel(VerticalGroup):
     def watch_choice(self) -> None:
         self._refresh_text()
 
+    def watch_transport(self) -> None:
+        self._refresh_text()
+
     def show_pass(self, pass_name: str, steps: list[RingStep]) -> None:
         charts = self.query(RingChart)
         if not charts:  # not composed yet, or being torn down: stats may arrive at any time
@@ -140,7 +145,7 @@ class RingPanel(VerticalGroup):
         words = Text(f"{ALGORITHM_NAMES.get(big, big)}: ", style="bold")
         words.append(ALGORITHM_WORDS.get(big, ""))
         self.query_one("#ring-words", Static).update(words)
-        self.border_subtitle = f"mode {self.mode}"
+        self.border_subtitle = f"mode {self.mode}" + (f" · {self.transport}" if self.transport else "")
         reason = Text()
         if choice is None:
             reason.append("chosen per turn" if self.mode == "auto" else "forced", "dim")
