@@ -24,7 +24,10 @@ def app_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=None, help="launch N local rank processes (default 2)")
     ring = p.add_mutually_exclusive_group()
     ring.add_argument("--attach", metavar="ADDR,...", help="use running ranks, in ring order (host:port,...)")
-    ring.add_argument("--hostfile", metavar="FILE", help="one host:port per line, '#' comments")
+    ring.add_argument("--hostfile", metavar="FILE",
+                      help="one host:port per line, '#' comments; with --launch also mlx.launch's JSON")
+    p.add_argument("--launch", action="store_true",
+                   help="start the hostfile's ranks over ssh (your ssh config, keys) and stop them on exit")
     p.add_argument("--token-file", metavar="FILE", help="shared secret for ranks reached over a network")
     p.add_argument("--tls-ca", metavar="FILE", help="CA certificate to verify ranks' TLS certificates")
     p.add_argument("--algorithm", choices=ALGORITHMS, default=None,
@@ -124,7 +127,8 @@ def run_rank(argv: list[str]) -> int:
 
 
 def cluster_options(args: argparse.Namespace) -> ClusterOptions:
-    return ClusterOptions(args.attach, args.hostfile, args.token_file, args.tls_ca, args.transport)
+    return ClusterOptions(args.attach, args.hostfile, args.token_file, args.tls_ca, args.transport,
+                          args.launch)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,3 +155,7 @@ def test_decode_over_the_ring_equals_decode_in_one_exchange(clusters, model_dir,
         stats = cluster.stats_once()
         assert {s.algorithm for s in stats} == {f"decode_{decode}"}
         assert {len({t.step for t in s.ring_steps}) for s in stats} == {steps}
+    cluster.reset(0)
+    session = raw_session(cluster, path, "pass_kv", MAX_TOKENS)  # decode "auto": the cost model's pick
+    assert_same(next_turn(session, ids)[0], expected)
+    assert {s.algorithm for s in cluster.stats_once()} == {f"decode_{session.decode_exchange(len(ids))}"}

@@ -9,6 +9,7 @@ from cpchat.core.heuristics import (
     Measured,
     Workload,
     choose_algorithm,
+    choose_decode,
     decode_estimates,
     prefill_estimates,
 )
@@ -158,3 +159,12 @@ def test_without_a_spare_core_transfers_add_to_compute():
     assert added["pass_kv"] - hidden["pass_kv"] == pytest.approx(
         w.layers * 3 * (1e-3 + kv_block / 1.1e8), rel=1e-6)  # compute hid every hop before
     assert added["ulysses"] == hidden["ulysses"] and added["pass_q"] == hidden["pass_q"]
+
+
+def test_decode_takes_the_ring_only_where_three_hops_beat_one_exchange():
+    w = workload(ranks=4)
+    assert choose_decode(w, measured(hop_latency_s=1e-3, exchange_latency_s=1.5e-3)) == "exchange"
+    # Measured here with shared memory and four ranks on two cores: hops of 0.2 ms, exchanges of 1.2 ms.
+    assert choose_decode(w, measured(hop_latency_s=2e-4, exchange_latency_s=1.2e-3)) == "ring"
+    same = measured(hop_latency_s=1e-3, exchange_latency_s=1e-3)
+    assert choose_decode(workload(ranks=2), same) == "exchange"  # one peer: the same message either way

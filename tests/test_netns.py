@@ -270,3 +270,113 @@ def test_stop_all_reaps_namespaced_ranks(hosts, tmp_path):
     assert psutil.Process(rank.pid).cmdline()[:3] == CPCHAT[:1] + ["-m", "cpchat"]
     stop_all(ranks)
     assert not psutil.pid_exists(rank.pid)
+
+
+# ---- ranks launched over ssh: a real sshd in each namespace
+
+
+SSH_PORT = 7171  # where the launched ranks listen (the hand-started ones use PORT)
+
+
+@pytest.fixture(scope="module")
+def sshd(hosts, tmp_path_factory):
+    """Debian's sshd in every namespace, taking our test key, except on the last host, which
+    refuses it; and an ssh config for the front end (`CPCHAT_SSH`)."""
+    if not Path("/usr/sbin/sshd").exists() or not shutil.which("ssh-keygen"):
+        pytest.skip("needs openssh-server (sshd) and ssh-keygen")
+    tmp = tmp_path_factory.mktemp("sshd")
+    for name in ("client", "host", "stranger"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / name)], check=True)
+    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+    daemons = []
+    for i, (ns, address) in enumerate(zip(hosts.namespaces, hosts.addresses, strict=True)):
+        key = "stranger" if i == len(hosts.namespaces) - 1 else "client"
+        config = tmp / f"sshd{i}.conf"
+        config.write_text(f"ListenAddress {address}\nHostKey {tmp / 'host'}\n"
+                          f"AuthorizedKeysFile {tmp / key}.pub\nPidFile {tmp}/sshd{i}.pid\n"
+                          "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
+                          "StrictModes no\nPermitRootLogin prohibit-password\n")
+        daemons.append(subprocess.Popen(["ip", "netns", "exec", ns, "/usr/sbin/sshd", "-D", "-e", "-f",
+                                         str(config)], stderr=subprocess.DEVNULL))
+    client = tmp / "ssh.conf"
+    client.write_text(f"Host *\n  User root\n  IdentityFile {tmp / 'client'}\n  IdentitiesOnly yes\n"
+                      "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n")
+    env = {"CPCHAT_SSH": f"ssh -F {client}", "CPCHAT_REMOTE_COMMAND": f"{CPCHAT[0]} -m cpchat"}
+    for address in hosts.addresses:  # each daemon answers before any test dials it
+        probe = ["ssh", "-F", str(client), "-o", "BatchMode=yes", "-o", "ConnectionAttempts=20", address]
+        subprocess.run([*probe, "true"], capture_output=True, timeout=60)
+    yield env
+    for daemon in daemons:
+        daemon.terminate()
+        daemon.wait(timeout=10)
+
+
+def launched_ranks() -> list[psutil.Process]:
+    """The rank processes listening on SSH_PORT, in any namespace."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "rank" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1] == str(SSH_PORT):
+            found.append(p)
+    return found
+
+
+def launch(sshd_env: dict, hostfile: Path, model: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        CPCHAT + ["--headless", "--launch", "--hostfile", str(hostfile), "--model", str(model), "--raw",
+                  "--temp", "0", "--json", "--prompt", PROMPT, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | sshd_env)
+
+
+def test_launch_over_ssh_matches_mlx_lm_and_stops_the_ranks(hosts, sshd, model_dir, tmp_path):
+    path = model_dir("llama")
+    hostfile = tmp_path / "hosts.json"  # mlx.launch's form
+    hostfile.write_text(json.dumps([{"ssh": a, "ips": [a]} for a in hosts.addresses[:2]]))
+    p = launch(sshd, hostfile, path, "--max-tokens", "12")
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    evs = [json.loads(line) for line in out.splitlines()]
+    assert [r["address"].rsplit(":", 1)[0] for r in evs[0]["ranks"]] == hosts.addresses[:2]
+    assert evs[0]["transport"] == "grpc"
+    assert [e["id"] for e in evs if e["event"] == "token"] == expected_tokens(path, 12)
+    assert wait_gone(launched_ranks), "a launched rank outlived the front end"
+
+
+def wait_gone(find, timeout: float = 10.0) -> bool:
+    """Whether every process `find` lists has exited within timeout (ranks notice their ssh session
+    ending within half a second)."""
+    deadline = time.monotonic() + timeout
+    while (alive := find()) and time.monotonic() < deadline:
+        psutil.wait_procs(alive, timeout=0.5)
+    return not find()
+
+
+def test_a_host_that_refuses_ssh_is_named_and_nothing_is_left(hosts, sshd, model_dir, tmp_path):
+    refusing = hosts.addresses[-1]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"{hosts.addresses[0]}:{SSH_PORT}\n{refusing}:{SSH_PORT}  # refuses our key\n")
+    p = launch(sshd, hostfile, model_dir("llama"))
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 3
+    assert err.strip().splitlines()[-1] == (f"cpchat: cannot start a rank on {refusing} over ssh: "
+                                            f"root@{refusing}: Permission denied (publickey).")
+    assert wait_gone(launched_ranks)
+
+
+def test_a_launched_rank_killed_mid_answer_is_named_and_the_rest_stop(hosts, sshd, model_dir, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"{a}:{SSH_PORT}\n" for a in hosts.addresses[:2]))
+    p = launch(sshd, hostfile, model_dir("llama"), "--max-tokens", "400")
+    try:
+        for line in p.stdout:
+            event = json.loads(line)
+            if event["event"] == "token":
+                victim = next(r for r in launched_ranks() if hosts.addresses[1] in r.cmdline())
+                victim.kill()
+                break
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 3
+    assert err.strip().splitlines()[-1].startswith(f"cpchat: rank 1 ({hosts.addresses[1]}:{SSH_PORT})")
+    assert wait_gone(launched_ranks)

@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpchat.client.cluster import BadInput, Cluster, parse_addresses, read_hostfile
+from cpchat.client.cluster import BackendError, BadInput, Cluster, parse_addresses, read_hostfile
+from cpchat.client.launcher import LaunchError
+from cpchat.client.remote import launch_remote_ranks, parse_hosts
 
 
 @dataclass(frozen=True)
 class ClusterOptions:
-    """Where the ranks are: local ones launched here, or the `attach` list / `hostfile` of running ones."""
+    """Where the ranks are: local ones launched here, the `attach` list / `hostfile` of running ones, or
+    (with `launch`) ranks this front end starts on the hostfile's hosts over ssh."""
 
     attach: str | None = None  # "host:port,host:port"
     hostfile: str | None = None
     token_file: str | None = None
     tls_ca: str | None = None
     transport: str = "auto"  # one of cluster.TRANSPORTS
+    launch: bool = False  # start the hostfile's ranks over ssh (cpchat/client/remote.py)
 
     @property
     def attached(self) -> bool:
@@ -53,7 +58,9 @@ def connect_cluster(options: ClusterOptions, ranks: int, blas_choice: str = "aut
     """Launch `ranks` local ranks with that BLAS, or attach to running ones, and form the ring."""
     token = read_token(options.token_file) if options.token_file else None
     tls_ca = read_bytes(options.tls_ca, "CA certificate")
-    if options.attached:
+    if options.launch:
+        cluster = launch_over_ssh(options, token or secrets.token_urlsafe(32))
+    elif options.attached:
         addresses = parse_addresses(options.attach) if options.attach else read_hostfile(options.hostfile)
         cluster = Cluster(addresses, token=token, tls_ca=tls_ca, transport=options.transport)
     else:
@@ -64,3 +71,23 @@ def connect_cluster(options: ClusterOptions, ranks: int, blas_choice: str = "aut
         cluster.close()
         raise
     return cluster
+
+
+def launch_over_ssh(options: ClusterOptions, token: str) -> Cluster:
+    """Ranks started on the hostfile's hosts (a fresh token unless one is given); they stop with the
+    front end."""
+    if not options.hostfile:
+        raise BadInput("--launch needs --hostfile: the hosts to start ranks on")
+    if options.tls_ca:
+        raise BadInput("--launch starts ranks without TLS: start TLS ranks by hand and --attach them")
+    try:
+        hosts = parse_hosts(Path(options.hostfile).read_text(encoding="utf-8"), options.hostfile)
+    except OSError as e:
+        raise BadInput(f"cannot read hostfile {options.hostfile}: {e.strerror}") from None
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    try:
+        ranks = launch_remote_ranks(hosts, token)
+    except LaunchError as e:
+        raise BackendError(str(e)) from None
+    return Cluster([r.address for r in ranks], token=token, local=ranks, transport=options.transport)

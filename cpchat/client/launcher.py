@@ -97,7 +97,8 @@ def launch_local_ranks(n: int, blas_choice: str = "auto", pin_cpus: bool = False
     ranks: list[LocalRank] = []
     try:
         for i, process, log_path in started:
-            ranks.append(LocalRank(i, process, _wait_listening(i, process, log_path), log_path))
+            address = wait_listening(process, log_path, f"local rank {i} failed to start")
+            ranks.append(LocalRank(i, process, address, log_path))
     except BaseException:
         for _, process, _ in started:
             process.kill()
@@ -107,7 +108,9 @@ def launch_local_ranks(n: int, blas_choice: str = "auto", pin_cpus: bool = False
     return ranks
 
 
-def _wait_listening(index: int, process: subprocess.Popen, log_path: Path) -> str:
+def wait_listening(process: subprocess.Popen, log_path: Path, failure: str) -> str:
+    """The address a starting rank reports on stdout; LaunchError "failure: <its last words>" if it
+    ends or stays silent for START_TIMEOUT_S."""
     selector = selectors.DefaultSelector()
     selector.register(process.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -126,7 +129,7 @@ def _wait_listening(index: int, process: subprocess.Popen, log_path: Path) -> st
             break
     process.kill()
     process.wait()
-    raise LaunchError(f"local rank {index} failed to start: {_last_line(log_path) or 'no output'}")
+    raise LaunchError(f"{failure}: {_last_line(log_path) or 'no output'}")
 
 
 def _last_line(path: Path) -> str:

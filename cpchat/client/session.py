@@ -21,7 +21,7 @@ from cpchat.client.events import (
     RankUsage,
     Token,
 )
-from cpchat.core.heuristics import Measured, Workload, choose_algorithm
+from cpchat.core.heuristics import Measured, Workload, choose_algorithm, choose_decode
 from cpchat.protocol import cpchat_pb2 as pb
 
 Event = Prefill | Progress | Token | Done
@@ -90,11 +90,13 @@ class Session:
         raw: bool = False,
         algorithm: str = "auto",
         sampling: SamplingOptions | None = None,
-        decode: str = "exchange",
+        decode: str = "auto",
     ) -> None:
         self.cluster, self.tokenizer, self.raw = cluster, tokenizer, raw
         self.algorithm = algorithm
-        self.decode = decode  # how decode steps exchange partial outputs: "exchange" (one step) or "ring"
+        # How decode steps share partial outputs: "exchange" (one step), "ring", or "auto" (the cost
+        # model's choice from the measured latencies).
+        self.decode = decode
         self.sampling = sampling or SamplingOptions()
         self.messages: list[Message] = []
         self.raw_history: list[int] = []  # --raw: every prompt and generated token so far
@@ -172,6 +174,11 @@ class Session:
             hop_latency_ms=1000 * c.hop_latency_s,
             exchange_latency_ms=1000 * c.exchange_latency_s,
         )
+
+    def decode_exchange(self, cached_tokens: int) -> str:
+        if self.decode != "auto":
+            return self.decode
+        return choose_decode(self.workload(1, cached_tokens), self.measured())
 
     def workload(self, new_tokens: int, cached_tokens: int) -> Workload:
         m = self.cluster.model
@@ -253,7 +260,7 @@ class Session:
             max_tokens=self.sampling.max_tokens if max_tokens is None else max_tokens,
             sampling=pb.Sampling(temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed),
             stop_tokens=sorted(self.tokenizer.eos_token_ids),
-            decode=pb.DECODE_RING if self.decode == "ring" else pb.DECODE_EXCHANGE,
+            decode=pb.DECODE_RING if self.decode_exchange(len(full)) == "ring" else pb.DECODE_EXCHANGE,
         )
         self._cancel.clear()
         turn = self.turn_index

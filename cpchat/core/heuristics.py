@@ -148,5 +148,12 @@ def decode_estimates(w: Workload, m: Measured) -> dict[str, float]:
     }
 
 
+def choose_decode(w: Workload, m: Measured) -> str:
+    """How decode steps should share partial outputs: whichever of DECODE_EXCHANGES is estimated
+    faster (one exchange on a tie)."""
+    estimates = decode_estimates(w, m)
+    return min(DECODE_EXCHANGES, key=estimates.get)
+
+
 def _ms(seconds: float) -> str:
     return f"{1000 * seconds:.0f} ms" if seconds >= 0.0095 else f"{1000 * seconds:.1f} ms"

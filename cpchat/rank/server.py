@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import math
@@ -638,6 +639,7 @@ def serve(
 def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
     while not stop.is_set():
         if os.getppid() != parent_pid:
-            sys.stderr.write("cpchat rank: front end is gone, exiting\n")
+            with contextlib.suppress(OSError):  # stderr may have gone with the parent (an ssh session)
+                sys.stderr.write("cpchat rank: front end is gone, exiting\n")
             os._exit(0)
         time.sleep(0.5)
