@@ -28,6 +28,8 @@ def test_bench_writes_results(tmp_path, model_dir):
             "4",
             "--transport",
             "1,9",  # 9 MiB: a block of three frames between real ranks
+            "--data-planes",
+            "grpc,shm",  # N=2 once per data plane; N=1 has none
             "--out",
             str(out),
         ],
@@ -38,12 +40,13 @@ def test_bench_writes_results(tmp_path, model_dir):
     assert result.returncode == 0, result.stderr
     data = json.loads((out / "results.json").read_text())
     systems = {(r["system"], r["context"]) for r in data["rows"]}
-    assert systems == {(s, c) for s in ("mlx-lm", "cpchat N=1", "cpchat N=2") for c in (64, 128)}
+    assert systems == {(s, c) for s in ("mlx-lm", "cpchat N=1", "cpchat N=2 grpc", "cpchat N=2 shm")
+                       for c in (64, 128)}
     for row in data["rows"]:
         assert row["prefill_tokens_per_s"][0] > 0 and row["decode_tokens_per_s"][0] > 0
         # peak resident memory of a process holding an MLX runtime and a model: tens of MiB at least
         assert 20 << 20 < row["peak_bytes_per_rank"] < 8 << 30
-        if row["system"] == "cpchat N=2":
+        if row["system"].startswith("cpchat N=2"):
             assert 0.0 <= row["hidden_share"] <= 1.0 and row["kv_bytes_per_rank"] > 0
     assert [t["block_mib"] for t in data["transport"]] == [1, 9]
     for t in data["transport"]:
@@ -55,7 +58,7 @@ def test_bench_writes_results(tmp_path, model_dir):
     used = subprocess.run([sys.executable, "-c", detect], env=rank_environment(), capture_output=True,
                           text=True, timeout=120).stdout.strip()
     assert used and {row["blas"] for row in data["rows"]} == {used}
-    assert f"| cpchat N=2 | {used} | 128 |" in table
+    assert f"| cpchat N=2 shm | {used} | 128 |" in table
 
 
 def test_bench_compares_algorithms(tmp_path):

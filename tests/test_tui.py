@@ -31,6 +31,7 @@ from cpchat.tui.widgets import (
     ChatInput,
     ChatMessage,
     RankRow,
+    RingPanel,
     StatusStrip,
     Transcript,
     WorkBar,
@@ -143,6 +144,7 @@ async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
                  "pass_q": "pass-Q: queries travel the ring"}
         assert str(app.query_one("#ring-words", Static).render()) == words[app.query_one(BigText).text]
         assert app.chat.backend.session.last_choice.algorithm == app.query_one(BigText).text
+        assert app.query_one(RingPanel).border_subtitle == "mode auto · shm"  # local ranks share memory
         from cpchat.tui.widgets import ThroughputPanel
 
         panel = app.query_one(ThroughputPanel)

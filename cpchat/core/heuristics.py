@@ -37,6 +37,7 @@ cases (tests/test_heuristics.py checks it).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from cpchat.core.sharding import head_split
@@ -108,7 +109,7 @@ def prefill_estimates(w: Workload, m: Measured) -> dict[str, float]:
     shares = head_split(w.q_heads, w.kv_heads, n)
     uneven = max(s.stop - s.start for s in shares) * n / w.q_heads
     kv_sent = kv if all(s.whole_groups for s in shares) else kv * w.q_heads / w.kv_heads
-    hidden = max if m.overlap else sum_of  # a transfer beside compute: hidden, or added
+    hidden = max if m.overlap else operator.add  # a transfer beside compute: hidden, or added
     per_layer = {
         "pass_kv": compute / n + (n - 1) * hidden(compute / n, alpha + kv / b),
         "pass_q": compute + n * (alpha + (q + out) / b),
@@ -116,10 +117,6 @@ def prefill_estimates(w: Workload, m: Measured) -> dict[str, float]:
         "ulysses": uneven * compute + 2 * alpha_x + (n - 1) / n * (q + kv_sent + out) / b,
     }
     return {name: seconds * w.layers for name, seconds in per_layer.items()}
-
-
-def sum_of(*seconds: float) -> float:
-    return sum(seconds)
 
 
 def choose_algorithm(w: Workload, m: Measured, candidates: tuple[str, ...] = PREFILL_ALGORITHMS) -> Choice:

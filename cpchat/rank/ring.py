@@ -34,7 +34,7 @@ class Aborted(RuntimeError):
 
 
 class Link:
-    """Blocks from this rank to one other rank, sent in order by a thread of the link's own (gRPC's
+    """Blocks from this rank to one other rank, queued and sent by a thread of the link's own (gRPC's
     stream here, a shared-memory ring buffer in `shm.SharedMemoryLink`)."""
 
     transport = ""

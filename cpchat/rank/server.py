@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -168,7 +169,7 @@ class RankState:
 
     # ---- ring
 
-    def configure(self, rank: int, addresses: list[str], ring_id: str, shm_endpoints: list[str] = ()
+    def configure(self, rank: int, addresses: list[str], ring_id: str, shm_endpoints: Sequence[str] = ()
                   ) -> list[str]:
         """Join the ring; returns how this rank sends to each rank ("shm", "grpc", "" for itself)."""
         check_ring(rank, addresses, ring_id)
