@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from cpchat.bench.baseline import prompt_ids
-from cpchat.bench.run import bench_model, in_form
+from cpchat.bench.run import bench_model, in_form, pyplot
 from cpchat.client.cluster import Cluster
 from cpchat.client.events import AlgorithmChoice, Done, Prefill
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
@@ -433,15 +433,9 @@ def write_comparison(out: Path, result: Comparison, seconds: float) -> None:
 
 def write_chart(path: Path, cells: list[PrefillCell]) -> None:
     """Each cell's TTFT per algorithm relative to its fastest (1 = fastest), auto's pick outlined."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError:
-        print("  matplotlib is not installed (pip install 'cpchat[bench]'): no chart", file=sys.stderr)
+    if (plt := pyplot()) is None:
         return
+    from matplotlib.patches import Patch
     algorithms = [a for a in PREFILL_ALGORITHMS if any(a in c.ttft_ms for c in cells)]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(cells) + 2), 4))
     width = 0.8 / max(len(algorithms), 1)

@@ -485,7 +485,8 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         write_chart(out / "results.png", rows)
 
 
-def write_chart(path: Path, rows: list[Row]) -> None:
+def pyplot():
+    """matplotlib.pyplot drawing to files, or None (said on stderr) when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -493,6 +494,12 @@ def write_chart(path: Path, rows: list[Row]) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("  matplotlib is not installed (pip install 'cpchat[bench]'): no chart", file=sys.stderr)
+        return None
+    return plt
+
+
+def write_chart(path: Path, rows: list[Row]) -> None:
+    if (plt := pyplot()) is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for system in dict.fromkeys(r.system for r in rows):

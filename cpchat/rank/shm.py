@@ -93,7 +93,7 @@ class SharedMemoryLink(Link):
             return
         try:
             for header, data in block_chunks(self.ring_id, key, self.rank, tensors):
-                self._sock.sendmsg([CHUNK.pack(INLINE, len(data), len(header)), header, data])
+                self._send_chunk(header, data)  # every chunk is inline: the buffer stays the link thread's
         except OSError as e:
             self.error = f"link to rank {self.peer} failed: {e}"
 
