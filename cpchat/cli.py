@@ -34,7 +34,12 @@ def app_parser() -> argparse.ArgumentParser:
                    help="how attention crosses the ranks; auto (default) picks the least estimated time")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="how tensors travel between ranks: auto (default) uses shared memory between ranks "
-                        "on one host and gRPC between hosts; grpc: gRPC only; shm: shared memory only")
+                        "on one host and gRPC between hosts, or mx.distributed where every rank has NCCL; "
+                        "grpc: gRPC only; shm: shared memory only; mlx: an mx.distributed group (NCCL, "
+                        "else its TCP ring) for the pairs it reaches")
+    p.add_argument("--devices", default="all", metavar="all|none|I,J,...",
+                   help="GPUs the local ranks run on, one rank per GPU in turn (CUDA): all visible "
+                        "(default), none, or a comma list of device indices")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temp", type=float, default=None, help="sampling temperature; 0 is greedy")
     p.add_argument("--top-p", type=float, default=None)
@@ -128,7 +133,7 @@ def run_rank(argv: list[str]) -> int:
 
 def cluster_options(args: argparse.Namespace) -> ClusterOptions:
     return ClusterOptions(args.attach, args.hostfile, args.token_file, args.tls_ca, args.transport,
-                          args.launch)
+                          args.launch, args.devices)
 
 
 def main(argv: list[str] | None = None) -> int:

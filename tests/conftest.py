@@ -52,30 +52,31 @@ def checkpoint(tmp_path_factory):
 
 
 class ClusterPool:
-    """One running cluster per rank count, with whichever model was loaded last."""
+    """One running cluster per (rank count, transport), with whichever model was loaded last."""
 
     def __init__(self) -> None:
-        self.clusters: dict[int, Cluster] = {}
-        self.loaded: dict[int, str] = {}
+        self.clusters: dict[tuple[int, str], Cluster] = {}
+        self.loaded: dict[tuple[int, str], str] = {}
 
-    def get(self, ranks: int, model: Path) -> Cluster:
-        cluster = self.clusters.get(ranks)
+    def get(self, ranks: int, model: Path, transport: str = "auto") -> Cluster:
+        key = (ranks, transport)
+        cluster = self.clusters.get(key)
         if cluster is None or any(r.local.process.poll() is not None for r in cluster.ranks):
             if cluster is not None:
                 cluster.close()
-            cluster = self.clusters[ranks] = Cluster.launch(ranks)
+            cluster = self.clusters[key] = Cluster.launch(ranks, transport=transport)
             cluster.connect()
-            self.loaded.pop(ranks, None)
-        if self.loaded.get(ranks) != str(model):
+            self.loaded.pop(key, None)
+        if self.loaded.get(key) != str(model):
             cluster.load(str(model))
-            self.loaded[ranks] = str(model)
+            self.loaded[key] = str(model)
         cluster.reset(0)
         return cluster
 
-    def drop(self, ranks: int) -> None:
+    def drop(self, ranks: int, transport: str = "auto") -> None:
         """Forget a cluster a test has broken on purpose."""
-        cluster = self.clusters.pop(ranks, None)
-        self.loaded.pop(ranks, None)
+        cluster = self.clusters.pop((ranks, transport), None)
+        self.loaded.pop((ranks, transport), None)
         if cluster is not None:
             cluster.close()
 

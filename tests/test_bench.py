@@ -29,7 +29,7 @@ def test_bench_writes_results(tmp_path, model_dir):
             "--transport",
             "1,9",  # 9 MiB: a block of three frames between real ranks
             "--data-planes",
-            "grpc,shm",  # N=2 once per data plane; N=1 has none
+            "grpc,shm,mlx",  # N=2 once per data plane; N=1 has none
             "--out",
             str(out),
         ],
@@ -40,8 +40,8 @@ def test_bench_writes_results(tmp_path, model_dir):
     assert result.returncode == 0, result.stderr
     data = json.loads((out / "results.json").read_text())
     systems = {(r["system"], r["context"]) for r in data["rows"]}
-    assert systems == {(s, c) for s in ("mlx-lm", "cpchat N=1", "cpchat N=2 grpc", "cpchat N=2 shm")
-                       for c in (64, 128)}
+    assert systems == {(s, c) for s in ("mlx-lm", "cpchat N=1", "cpchat N=2 grpc", "cpchat N=2 shm",
+                                        "cpchat N=2 mlx") for c in (64, 128)}
     for row in data["rows"]:
         assert row["prefill_tokens_per_s"][0] > 0 and row["decode_tokens_per_s"][0] > 0
         # peak resident memory of a process holding an MLX runtime and a model: tens of MiB at least
@@ -52,6 +52,7 @@ def test_bench_writes_results(tmp_path, model_dir):
     for t in data["transport"]:
         assert t["grpc_ring_gb_s"] > 0 and t["grpc_bytes_only_gb_s"] > 0 and t["tcp_socket_gb_s"] > 0
         assert t["shm_ring_gb_s"] > 0 and t["shm_latency_us"] > 0 and t["grpc_latency_us"] > 0
+        assert t["mlx_ring_gb_s"] > 0 and t["mlx_latency_us"] > 0
     table = (out / "results.md").read_text()
     # every row names the BLAS its processes really used, as a separate process detects it
     detect = "from cpchat.blas import in_use; print(in_use().label)"

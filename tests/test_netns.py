@@ -161,6 +161,15 @@ def test_ranks_on_separate_hosts_match_mlx_lm(hosts, remote_ranks, model_dir):
         assert established(ns, attach[(i + 1) % RANKS])
 
 
+def test_ranks_on_separate_hosts_through_mx_distributed(remote_ranks, model_dir):
+    """--transport mlx across hosts: the ranks form an mx.distributed ring group over the bridge."""
+    ranks, token = remote_ranks
+    path = model_dir("llama")
+    evs = run_ok([r.address for r in ranks], token, path, "--max-tokens", "12", "--transport", "mlx")
+    assert evs[0]["transport"] == "mlx"  # three ranks: each pair are ring neighbours
+    assert [e["id"] for e in evs if e["event"] == "token"] == expected_tokens(path, 12)
+
+
 def test_shared_memory_alone_is_refused_across_hosts(remote_ranks, model_dir):
     ranks, token = remote_ranks
     p = headless([r.address for r in ranks], token, model_dir("llama"), "--transport", "shm")

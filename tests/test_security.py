@@ -148,6 +148,9 @@ MUTATIONS = {
     "chunk": st.tuples(st.integers(0, 50), st.integers(0, 50)).filter(lambda c: c != (0, 1))
     .map(lambda c: {"chunk_index": c[0], "chunk_count": c[1]}),
     "request_id": st.integers(129, 1000).map(lambda n: {"request_id": "r" * n}),
+    # bytes said to follow through an mx.distributed group, which these ranks have not formed
+    "data_plane": st.tuples(st.integers(1, (1 << 64) - 1), st.integers(0, (1 << 64) - 1))
+    .map(lambda t: {"data_plane_bytes": t[0], "data_plane_seq": t[1]}),
 }
 
 
@@ -199,6 +202,12 @@ def _configure_requests():
         st.lists(st.text(max_size=30).filter(lambda a: ":" not in a), min_size=1, max_size=3).map(
             lambda a: pb.ConfigureRequest(rank=0, addresses=a)),
         st.just(pb.ConfigureRequest(rank=0, addresses=MANY_ADDRESSES)),
+        # an mx.distributed backend cpchat does not form, or addresses that do not match the ring
+        good.flatmap(lambda a: st.sampled_from(["jaccl", "mpi", "tcp"]).map(
+            lambda b: pb.ConfigureRequest(rank=0, addresses=a, data_plane_backend=b,
+                                          data_plane_addresses=a))),
+        good.map(lambda a: pb.ConfigureRequest(rank=0, addresses=a, data_plane_backend="ring",
+                                               data_plane_addresses=a + ["10.0.0.9:1"])),
     )
 
 

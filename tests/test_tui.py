@@ -551,7 +551,7 @@ async def test_model_switch_reloads_every_rank_and_keeps_the_conversation(make_a
             assert len(backend.session.messages) == 4 and backend.session.tokenizer is backend.tokenizer
             assert backend.session.last_choice.cached_tokens == 0
     finally:
-        clusters.loaded.pop(RANKS, None)  # the ranks hold qwen3 now
+        clusters.loaded.pop((RANKS, "auto"), None)  # the ranks hold qwen3 now
 
 
 def test_print_config_and_startup_failure(capsys, monkeypatch):

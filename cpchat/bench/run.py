@@ -364,11 +364,11 @@ TRANSPORT_ROUNDS = 10  # blocks timed back to back per size, after one untimed w
 
 
 def run_transport(sizes: list[int]) -> list[dict]:
-    """cpchat's ring over gRPC and over shared memory, next to mx.distributed's ring backend and to
-    what the wire allows (gRPC Python moving ready-made bytes, a plain TCP socket); 2 local
+    """cpchat's ring over gRPC, shared memory and an mx.distributed group, next to what those allow
+    (mx.distributed's ring backend, gRPC Python moving ready-made bytes, a plain TCP socket); 2 local
     processes each, both directions busy at once. Each row also has the small-message latency."""
     ours: dict[str, dict[int, tuple[float, float]]] = {}
-    for transport in ("grpc", "shm"):
+    for transport in ("grpc", "shm", "mlx"):
         cluster = Cluster.launch(2, transport=transport)
         try:
             cluster.connect()
@@ -385,6 +385,8 @@ def run_transport(sizes: list[int]) -> list[dict]:
             "shm_ring_gb_s": ours["shm"][size][0] / 1e9,
             "grpc_latency_us": ours["grpc"][size][1] * 1e6,
             "shm_latency_us": ours["shm"][size][1] * 1e6,
+            "mlx_ring_gb_s": ours["mlx"][size][0] / 1e9,
+            "mlx_latency_us": ours["mlx"][size][1] * 1e6,
             "mx_distributed_gb_s": mx_rates.get(size, 0.0) / 1e9,
             "grpc_bytes_only_gb_s": floor.get("grpc", {}).get(size, 0.0) / 1e9,
             "tcp_socket_gb_s": floor.get("socket", {}).get(size, 0.0) / 1e9,
@@ -393,7 +395,8 @@ def run_transport(sizes: list[int]) -> list[dict]:
         print(
             f"  ring {size // MB:>3} MiB: cpchat gRPC {row['grpc_ring_gb_s']:.2f} GB/s "
             f"({row['grpc_latency_us']:.0f} µs), shared memory {row['shm_ring_gb_s']:.2f} "
-            f"({row['shm_latency_us']:.0f} µs), mx.distributed {row['mx_distributed_gb_s']:.2f}, "
+            f"({row['shm_latency_us']:.0f} µs), mx.distributed {row['mlx_ring_gb_s']:.2f} "
+            f"({row['mlx_latency_us']:.0f} µs); bytes only: mx.distributed {row['mx_distributed_gb_s']:.2f}, "
             f"gRPC bytes only {row['grpc_bytes_only_gb_s']:.2f}, TCP socket {row['tcp_socket_gb_s']:.2f}",
             file=sys.stderr,
             flush=True,
@@ -467,14 +470,16 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
             f"{TRANSPORT_ROUNDS} blocks back to back after a warm-up block. Latency: one way, a small "
             f"message (half the best of 5 round trips), measured beside each row's blocks.",
             "",
-            "| block | cpchat gRPC ring | cpchat shared memory | mx.distributed ring "
-            "| gRPC Python, bytes only | TCP socket | gRPC latency µs | shared-memory latency µs |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| block | cpchat gRPC ring | cpchat shared memory | cpchat mx.distributed (ring backend) "
+            "| mx.distributed ring, bytes only | gRPC Python, bytes only | TCP socket "
+            "| gRPC latency µs | shared-memory latency µs | mx.distributed latency µs |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         lines += [
             f"| {t['block_mib']} MiB | {t['grpc_ring_gb_s']:.2f} | {t['shm_ring_gb_s']:.2f} "
-            f"| {t['mx_distributed_gb_s']:.2f} | {t['grpc_bytes_only_gb_s']:.2f} "
-            f"| {t['tcp_socket_gb_s']:.2f} | {t['grpc_latency_us']:.0f} | {t['shm_latency_us']:.0f} |"
+            f"| {t['mlx_ring_gb_s']:.2f} | {t['mx_distributed_gb_s']:.2f} | {t['grpc_bytes_only_gb_s']:.2f} "
+            f"| {t['tcp_socket_gb_s']:.2f} | {t['grpc_latency_us']:.0f} | {t['shm_latency_us']:.0f} "
+            f"| {t['mlx_latency_us']:.0f} |"
             for t in transport
         ]
     (out / "results.md").write_text("\n".join(lines) + "\n")

@@ -16,15 +16,19 @@ import grpc
 
 from cpchat.blas import BlasInfo, BlasUnavailable
 from cpchat.client.events import RankStats, RingStep
-from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks
+from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks, rank_devices, visible_gpus
 from cpchat.core.estimate import PrefillCost
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 
 TOKEN_HEADER = "x-cpchat-token"
-# How tensors travel between ranks: shared memory between ranks on one host and gRPC between hosts
-# (auto), gRPC only, or shared memory only (every rank on this host).
-TRANSPORTS = ("auto", "grpc", "shm")
+# How tensors travel between ranks: shared memory between ranks on one host and gRPC between hosts,
+# or an mx.distributed group where every rank has a fast backend (auto); gRPC only; shared memory
+# only (every rank on this host); or an mx.distributed group on the best backend the ranks share,
+# with shared memory or gRPC for the pairs it does not reach (mlx).
+TRANSPORTS = ("auto", "grpc", "shm", "mlx")
+FAST_DATA_PLANES = ("nccl",)  # mx.distributed backends faster than shared memory and gRPC
+DATA_PLANE_TIMEOUT_S = 60.0  # forming a group waits for every rank to connect
 HEALTH_INTERVAL_S = 1.0
 HEALTH_DEADLINE_S = 2.0
 CHANNEL_OPTIONS = [
@@ -71,6 +75,8 @@ class RankHandle:
     blas: pb.Blas = field(default_factory=pb.Blas)  # from Health, at connect
     cpu_cores: int = 0  # from Health: the cores it may run on
     computes_on_cpu: bool = False  # from Health: no accelerator
+    data_plane_backends: tuple[str, ...] = ()  # from Health: mx.distributed backends, fastest first
+    data_plane_port: int = 0  # from Health
 
     @property
     def label(self) -> str:
@@ -165,9 +171,14 @@ class Cluster:
 
     @classmethod
     def launch(cls, num_ranks: int, blas_choice: str = "auto", pin_cpus: bool = False,
-               transport: str = "auto") -> Cluster:
+               transport: str = "auto", devices: str = "all") -> Cluster:
+        """Local ranks, pinned one per visible GPU in turn unless devices is "none" (--devices)."""
         try:
-            local = launch_local_ranks(num_ranks, blas_choice, pin_cpus)
+            pinned = rank_devices(devices, visible_gpus())
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+        try:
+            local = launch_local_ranks(num_ranks, blas_choice, pin_cpus, pinned)
         except LaunchError as e:
             raise BackendError(str(e)) from None
         except BlasUnavailable as e:
@@ -229,6 +240,7 @@ class Cluster:
                 # Waiting hides why the connection failed; one plain call reports it.
                 reply = r.control.Health(request, timeout=2.0, metadata=self.metadata)
             r.blas, r.cpu_cores, r.computes_on_cpu = reply.blas, reply.cpu_cores, reply.computes_on_cpu
+            r.data_plane_backends, r.data_plane_port = tuple(reply.data_plane_backends), reply.data_plane_port
             return reply.shm_endpoint
 
         endpoints = self._each(health, connecting=True)
@@ -236,12 +248,15 @@ class Cluster:
         addresses = [r.address for r in self.ranks]
         if self.transport == "grpc":
             endpoints = []
+        backend = self.data_plane_backend()
+        plane = [f"{r.address.rsplit(':', 1)[0]}:{r.data_plane_port}" for r in self.ranks] if backend else []
 
         def configure(r: RankHandle) -> list[str]:
             reply = r.control.Configure(
                 pb.ConfigureRequest(rank=r.rank, addresses=addresses, ring_id=self.ring_id,
-                                    shm_endpoints=endpoints),
-                timeout=timeout, metadata=self.metadata)
+                                    shm_endpoints=endpoints, data_plane_backend=backend,
+                                    data_plane_addresses=plane),
+                timeout=DATA_PLANE_TIMEOUT_S if backend else timeout, metadata=self.metadata)
             r.state = "idle"
             return list(reply.transports) or ["" if i == r.rank else "grpc" for i in range(self.size)]
 
@@ -252,6 +267,21 @@ class Cluster:
             i, j = remote[0]
             raise BadInput(f"--transport shm needs every rank on one host, but rank {i} reaches rank {j} "
                            f"only over the network")
+
+    def data_plane_backend(self) -> str:
+        """The mx.distributed backend the ranks' tensors should take ("" for none): with --transport
+        mlx the fastest every rank has, with auto one of FAST_DATA_PLANES if every rank has it."""
+        if self.transport not in ("mlx", "auto"):
+            return ""
+        shared = [b for b in self.ranks[0].data_plane_backends
+                  if all(b in r.data_plane_backends for r in self.ranks)]
+        if self.transport == "auto":
+            return next((b for b in shared if b in FAST_DATA_PLANES), "") if self.size > 1 else ""
+        if not shared:
+            lacking = next(r for r in self.ranks if not r.data_plane_backends)
+            raise BadInput(f"--transport mlx needs an mx.distributed backend common to every rank, "
+                           f"but {lacking.label} has none")
+        return shared[0]
 
     @property
     def spare_cores(self) -> bool:
@@ -269,9 +299,9 @@ class Cluster:
 
     @property
     def transport_label(self) -> str:
-        """How the ranks' tensors travel: "shm", "grpc", or "shm+grpc" for a mix."""
+        """How the ranks' tensors travel: "mlx", "shm", "grpc", or a mix such as "shm+grpc"."""
         used = {t for row in self.link_transports for t in row if t}
-        return "+".join(t for t in ("shm", "grpc") if t in used) or "none"
+        return "+".join(t for t in ("mlx", "shm", "grpc") if t in used) or "none"
 
     def slow_blas_warning(self) -> str | None:
         """One line for ranks whose CPU products run on the reference BLAS, with the fix."""
@@ -560,7 +590,8 @@ def _rank_stats(r: RankHandle, s: pb.RankStats) -> RankStats:
     return RankStats(
         rank=r.rank, address=r.address, state=s.state, kv_tokens=s.kv_tokens, kv_bytes=s.kv_bytes,
         rss_bytes=s.rss_bytes, mlx_active_bytes=s.mlx_active_bytes, mlx_peak_bytes=s.mlx_peak_bytes,
-        peak_rss_bytes=s.peak_rss_bytes, algorithm=s.algorithm, blas=r.blas_label,
+        peak_rss_bytes=s.peak_rss_bytes, data_plane_bytes_sent=s.data_plane_bytes_sent,
+        algorithm=s.algorithm, blas=r.blas_label,
         slow_blas=r.slow_blas,
         ring_steps=[RingStep(t.layer, t.step, t.compute_ms, t.wait_ms, t.bytes_sent) for t in s.ring_steps],
     )

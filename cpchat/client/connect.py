@@ -25,6 +25,7 @@ class ClusterOptions:
     tls_ca: str | None = None
     transport: str = "auto"  # one of cluster.TRANSPORTS
     launch: bool = False  # start the hostfile's ranks over ssh (cpchat/client/remote.py)
+    devices: str = "all"  # GPUs local ranks are pinned to, one per rank in turn (launcher.rank_devices)
 
     @property
     def attached(self) -> bool:
@@ -64,7 +65,7 @@ def connect_cluster(options: ClusterOptions, ranks: int, blas_choice: str = "aut
         addresses = parse_addresses(options.attach) if options.attach else read_hostfile(options.hostfile)
         cluster = Cluster(addresses, token=token, tls_ca=tls_ca, transport=options.transport)
     else:
-        cluster = Cluster.launch(ranks, blas_choice, transport=options.transport)
+        cluster = Cluster.launch(ranks, blas_choice, transport=options.transport, devices=options.devices)
     try:
         cluster.connect()
     except BaseException:

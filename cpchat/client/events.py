@@ -107,6 +107,7 @@ class RankStats:
     mlx_active_bytes: int = 0
     mlx_peak_bytes: int = 0
     peak_rss_bytes: int = 0
+    data_plane_bytes_sent: int = 0  # through the ranks' mx.distributed group (--transport mlx)
     algorithm: str = ""
     ring_steps: list[RingStep] = field(default_factory=list)
     error: str = ""

@@ -21,6 +21,7 @@ from pathlib import Path
 from cpchat import blas
 
 START_TIMEOUT_S = 60.0
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the NVIDIA driver runs
 
 
 class LaunchError(RuntimeError):
@@ -58,9 +59,39 @@ def rank_environment(blas_choice: str = "auto") -> dict[str, str]:
     return env
 
 
-def launch_local_ranks(n: int, blas_choice: str = "auto", pin_cpus: bool = False) -> list[LocalRank]:
-    """Start n ranks at once and wait until each reports its address.
-    With pin_cpus, rank i runs on core i (modulo the cores there are)."""
+def visible_gpus(environ: dict[str, str] | None = None, driver: Path = NVIDIA_GPUS) -> list[str]:
+    """The CUDA devices this process may hand to ranks: CUDA_VISIBLE_DEVICES where it is set, else
+    every GPU the NVIDIA driver runs (none on a Mac: its one GPU is shared, not pinned)."""
+    environ = os.environ if environ is None else environ
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    try:
+        return [str(i) for i in range(len(list(driver.iterdir())))]
+    except OSError:
+        return []
+
+
+def rank_devices(choice: str, visible: list[str]) -> list[str]:
+    """The devices local ranks are pinned to, one rank per device in turn (--devices): "all"
+    visible ones, "none", or a comma list of them. Raises ValueError for one that is not visible."""
+    if choice == "none":
+        return []
+    if choice == "all":
+        return visible
+    wanted = [d.strip() for d in choice.split(",") if d.strip()]
+    if not wanted:
+        raise ValueError("--devices: expected all, none, or a comma list of GPU indices")
+    unknown = [d for d in wanted if d not in visible]
+    if unknown:
+        seen = f"the visible GPUs are {', '.join(visible)}" if visible else "no NVIDIA GPU is visible"
+        raise ValueError(f"--devices {choice}: {', '.join(unknown)} not found; {seen}")
+    return wanted
+
+
+def launch_local_ranks(n: int, blas_choice: str = "auto", pin_cpus: bool = False,
+                       devices: list[str] | None = None) -> list[LocalRank]:
+    """Start n ranks at once and wait until each reports its address. With pin_cpus, rank i runs
+    on core i (modulo the cores there are); with devices, on devices[i] (modulo their number)."""
     if n < 1:
         raise LaunchError(f"--ranks must be at least 1, got {n}")
     env = rank_environment(blas_choice)
@@ -84,6 +115,8 @@ def launch_local_ranks(n: int, blas_choice: str = "auto", pin_cpus: bool = False
         ]
         if pin_cpus:
             cmd += ["--cpu", str(i % os.cpu_count())]
+        if devices:
+            env = env | {"CUDA_VISIBLE_DEVICES": devices[i % len(devices)]}
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
                 cmd,

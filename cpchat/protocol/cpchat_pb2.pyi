@@ -51,16 +51,20 @@ HEADS: FrameKind
 OUTPUT: FrameKind
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("rank", "addresses", "ring_id", "shm_endpoints")
+    __slots__ = ("rank", "addresses", "ring_id", "shm_endpoints", "data_plane_backend", "data_plane_addresses")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     RING_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     addresses: _containers.RepeatedScalarFieldContainer[str]
     ring_id: str
     shm_endpoints: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, rank: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., ring_id: _Optional[str] = ..., shm_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
+    data_plane_backend: str
+    data_plane_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., ring_id: _Optional[str] = ..., shm_endpoints: _Optional[_Iterable[str]] = ..., data_plane_backend: _Optional[str] = ..., data_plane_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ConfigureReply(_message.Message):
     __slots__ = ("transports",)
@@ -239,7 +243,7 @@ class RingStep(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., step: _Optional[int] = ..., compute_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
 
 class RankStats(_message.Message):
-    __slots__ = ("rank", "state", "kv_tokens", "kv_bytes", "rss_bytes", "mlx_active_bytes", "mlx_peak_bytes", "algorithm", "ring_steps", "peak_rss_bytes")
+    __slots__ = ("rank", "state", "kv_tokens", "kv_bytes", "rss_bytes", "mlx_active_bytes", "mlx_peak_bytes", "algorithm", "ring_steps", "peak_rss_bytes", "data_plane_bytes_sent")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +254,7 @@ class RankStats(_message.Message):
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     RING_STEPS_FIELD_NUMBER: _ClassVar[int]
     PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     state: str
     kv_tokens: int
@@ -260,7 +265,8 @@ class RankStats(_message.Message):
     algorithm: str
     ring_steps: _containers.RepeatedCompositeFieldContainer[RingStep]
     peak_rss_bytes: int
-    def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., algorithm: _Optional[str] = ..., ring_steps: _Optional[_Iterable[_Union[RingStep, _Mapping]]] = ..., peak_rss_bytes: _Optional[int] = ...) -> None: ...
+    data_plane_bytes_sent: int
+    def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., algorithm: _Optional[str] = ..., ring_steps: _Optional[_Iterable[_Union[RingStep, _Mapping]]] = ..., peak_rss_bytes: _Optional[int] = ..., data_plane_bytes_sent: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("keep_tokens",)
@@ -279,7 +285,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "rank", "pid", "blas", "shm_endpoint", "cpu_cores", "computes_on_cpu")
+    __slots__ = ("state", "rank", "pid", "blas", "shm_endpoint", "cpu_cores", "computes_on_cpu", "data_plane_backends", "data_plane_port")
     STATE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +293,8 @@ class HealthReply(_message.Message):
     SHM_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     CPU_CORES_FIELD_NUMBER: _ClassVar[int]
     COMPUTES_ON_CPU_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_PORT_FIELD_NUMBER: _ClassVar[int]
     state: str
     rank: int
     pid: int
@@ -294,7 +302,9 @@ class HealthReply(_message.Message):
     shm_endpoint: str
     cpu_cores: int
     computes_on_cpu: bool
-    def __init__(self, state: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., blas: _Optional[_Union[Blas, _Mapping]] = ..., shm_endpoint: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., computes_on_cpu: _Optional[bool] = ...) -> None: ...
+    data_plane_backends: _containers.RepeatedScalarFieldContainer[str]
+    data_plane_port: int
+    def __init__(self, state: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., blas: _Optional[_Union[Blas, _Mapping]] = ..., shm_endpoint: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., computes_on_cpu: _Optional[bool] = ..., data_plane_backends: _Optional[_Iterable[str]] = ..., data_plane_port: _Optional[int] = ...) -> None: ...
 
 class Blas(_message.Message):
     __slots__ = ("name", "version", "library", "fix")
@@ -317,7 +327,7 @@ class ShutdownReply(_message.Message):
     def __init__(self) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("ring_id", "request_id", "layer", "step", "kind", "source_rank", "tensor_index", "tensor_count", "chunk_index", "chunk_count", "dtype", "shape", "data")
+    __slots__ = ("ring_id", "request_id", "layer", "step", "kind", "source_rank", "tensor_index", "tensor_count", "chunk_index", "chunk_count", "dtype", "shape", "data", "data_plane_bytes", "data_plane_seq")
     RING_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +341,8 @@ class Frame(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_SEQ_FIELD_NUMBER: _ClassVar[int]
     ring_id: str
     request_id: str
     layer: int
@@ -344,7 +356,9 @@ class Frame(_message.Message):
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, ring_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layer: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., source_rank: _Optional[int] = ..., tensor_index: _Optional[int] = ..., tensor_count: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    data_plane_bytes: int
+    data_plane_seq: int
+    def __init__(self, ring_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layer: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., source_rank: _Optional[int] = ..., tensor_index: _Optional[int] = ..., tensor_count: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., data_plane_bytes: _Optional[int] = ..., data_plane_seq: _Optional[int] = ...) -> None: ...
 
 class LinkClosed(_message.Message):
     __slots__ = ()

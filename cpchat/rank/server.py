@@ -27,6 +27,7 @@ from cpchat import blas
 from cpchat.core.estimate import PrefillCost
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
+from cpchat.rank.data_plane import DataPlane, DataPlaneLink, available_backends, check_backend, free_port
 from cpchat.rank.engine import BadRequest, Engine, UnsupportedModel
 from cpchat.rank.ring import Aborted, Link, Mailbox, Ring, RingBroken, RingLink
 from cpchat.rank.shm import SharedMemoryLink, SharedMemoryListener
@@ -121,6 +122,9 @@ class RankState:
         self.ring_id = ""
         self.ring: Ring | None = None
         self.shm: SharedMemoryListener | None = None  # set by serve(): links from ranks on this host
+        self.data_plane: DataPlane | None = None  # an mx.distributed group, once a ring asks for one
+        self.data_plane_port = 0  # set by serve(): where this rank's end of that group would listen
+        self.data_plane_failed = ""  # why a group did not form: mx.distributed allows one try per process
         self.changed = threading.Condition()  # Stats streams send a state change as it happens
         self.changes = 0
         self._state = "idle"
@@ -169,20 +173,29 @@ class RankState:
 
     # ---- ring
 
-    def configure(self, rank: int, addresses: list[str], ring_id: str, shm_endpoints: Sequence[str] = ()
-                  ) -> list[str]:
-        """Join the ring; returns how this rank sends to each rank ("shm", "grpc", "" for itself)."""
+    def configure(self, rank: int, addresses: list[str], ring_id: str, shm_endpoints: Sequence[str] = (),
+                  data_plane_backend: str = "", data_plane_addresses: Sequence[str] = ()) -> list[str]:
+        """Join the ring; returns how this rank sends to each rank ("mlx", "shm", "grpc", "" for itself)."""
         check_ring(rank, addresses, ring_id)
         if shm_endpoints and len(shm_endpoints) != len(addresses):
             raise BadRequest(f"{len(shm_endpoints)} shared-memory endpoints for {len(addresses)} ranks")
+        if data_plane_backend:
+            if len(data_plane_addresses) != len(addresses):
+                raise BadRequest(f"{len(data_plane_addresses)} data-plane addresses for "
+                                 f"{len(addresses)} ranks")
+            try:
+                check_backend(data_plane_backend)
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
         if not self._acquire_for_configure():
             raise NotNow(f"rank is busy with {self.activity}; it cannot join a new ring until that ends")
         try:
+            plane = self._join_data_plane(data_plane_backend, rank, data_plane_addresses)
             if self.ring:
                 self.ring.close()
             self.rank, self.addresses, self.ring_id = rank, list(addresses), ring_id or uuid.uuid4().hex
             links = {
-                peer: self._link(address, shm_endpoints[peer] if shm_endpoints else "")
+                peer: self._link(peer, address, shm_endpoints[peer] if shm_endpoints else "", plane)
                 for peer, address in enumerate(addresses) if peer != rank
             }
             self.ring = Ring(rank, len(addresses), links, Mailbox(self.validate_frame))
@@ -193,8 +206,33 @@ class RankState:
         finally:
             self.busy.release()
 
-    def _link(self, address: str, shm_endpoint: str) -> Link:
-        """Shared memory to a rank whose endpoint this rank can reach (one on this host), else gRPC."""
+    def _join_data_plane(self, backend: str, rank: int, addresses: Sequence[str]) -> DataPlane | None:
+        """The mx.distributed group the ring asks for: formed now, or the one this process formed
+        before (mx.distributed forms one per process)."""
+        if not backend:
+            return None
+        plane = self.data_plane
+        if self.data_plane_failed:
+            raise BadRequest(f"{self.data_plane_failed}; restart the rank to form another")
+        if plane is None:
+            try:
+                plane = self.data_plane = DataPlane(backend, rank, addresses)
+            except (ValueError, RuntimeError, TimeoutError) as e:
+                self.data_plane_failed = f"the mx.distributed {backend} group did not form: {e}"
+                raise BadRequest(self.data_plane_failed) from None
+        elif plane.broken:
+            raise BadRequest(f"{plane.broken}; restart the rank to form another")
+        elif not plane.same_group(backend, rank, addresses):
+            raise BadRequest("this rank already belongs to another mx.distributed group, and "
+                             "mx.distributed forms one per process: restart the rank")
+        return plane
+
+    def _link(self, peer: int, address: str, shm_endpoint: str, plane: DataPlane | None) -> Link:
+        """The data plane where it reaches `peer`; else shared memory to a rank whose endpoint this
+        rank can reach (one on this host); else gRPC."""
+        if plane is not None and plane.reaches(peer):
+            return DataPlaneLink(plane, peer, self.channel(address), self.ring_id, self.rank, address,
+                                 self.metadata())
         if shm_endpoint:
             try:
                 return SharedMemoryLink(shm_endpoint, self.ring_id, self.rank, address, self.token)
@@ -248,7 +286,12 @@ class RankState:
             raise FrameError(f"frame of {data_bytes} bytes exceeds the {CHUNK_BYTES} byte chunk limit")
 
     def receive(self, frame: pb.Frame, data: memoryview) -> None:
-        """One frame from a link; raises FrameError (or NotNow) for one that does not fit."""
+        """One frame from a link; raises FrameError (or NotNow) for one that does not fit. A chunk
+        whose bytes follow on the data plane takes them first, valid or not (data_plane.py)."""
+        if frame.data_plane_bytes:
+            if self.data_plane is None or len(data):
+                raise FrameError("data-plane chunk on a rank without a data plane, or with inline data")
+            data = self.data_plane.receive(frame.source_rank, frame.data_plane_seq, frame.data_plane_bytes)
         if self.ring is None:
             raise FrameError("this rank is not part of a ring")
         self.ring.mailbox.put(frame, data)
@@ -372,6 +415,7 @@ class RankState:
             mlx_active_bytes=mx.get_active_memory(),
             mlx_peak_bytes=mx.get_peak_memory(),
             peak_rss_bytes=peak_rss_bytes(),
+            data_plane_bytes_sent=self.data_plane.bytes_sent if self.data_plane else 0,
             algorithm=self.engine.last_algorithm,
             ring_steps=[
                 pb.RingStep(layer=t.layer, step=t.step, compute_ms=t.compute_ms, wait_ms=t.wait_ms,
@@ -388,7 +432,8 @@ class ControlServicer(pb_grpc.ControlServicer):
     def Configure(self, request, context):
         try:
             transports = self.s.configure(request.rank, list(request.addresses), request.ring_id,
-                                          list(request.shm_endpoints))
+                                          list(request.shm_endpoints), request.data_plane_backend,
+                                          list(request.data_plane_addresses))
         except BadRequest as e:
             context.abort(status_of(e), str(e))
         return pb.ConfigureReply(transports=transports)
@@ -507,7 +552,9 @@ class ControlServicer(pb_grpc.ControlServicer):
         return pb.HealthReply(state=self.s.state, rank=self.s.rank, pid=os.getpid(), blas=self.s.blas,
                               shm_endpoint=self.s.shm.endpoint if self.s.shm else "",
                               cpu_cores=len(os.sched_getaffinity(0)),
-                              computes_on_cpu=self.s.computes_on_cpu)
+                              computes_on_cpu=self.s.computes_on_cpu,
+                              data_plane_backends=available_backends(),
+                              data_plane_port=self.s.data_plane_port)
 
     def Shutdown(self, request, context):
         self.stop.set()
@@ -610,6 +657,7 @@ def serve(
     stop = threading.Event()
     state = RankState(token, tls_ca)
     state.shm = SharedMemoryListener(token, state.receive, state.link_closed)
+    state.data_plane_port = free_port(host)
     interceptors = [TokenCheck(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=SERVER_OPTIONS,
                          interceptors=interceptors)

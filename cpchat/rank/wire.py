@@ -169,7 +169,12 @@ def block_frames(ring_id: str, key: BlockKey, source_rank: int, tensors: list[Ho
     each chunk's bytes are copied once, straight from the tensor's buffer.
     """
     for header, data in block_chunks(ring_id, key, source_rank, tensors):
-        yield b"".join((header, _DATA_TAG, _varint(len(data)), data))
+        yield block_frame(header, data)
+
+
+def block_frame(header: bytes, data: memoryview) -> bytes:
+    """A serialized `Frame`: its header (from `block_chunks`) with its data field."""
+    return b"".join((header, _DATA_TAG, _varint(len(data)), data))
 
 
 def block_nbytes(tensors: list[mx.array]) -> int:
