@@ -24,7 +24,7 @@ class Ready:
     model: str
     ranks: list[RankAddress]
     version: str = __version__  # cpchat's
-    transport: str = ""  # how tensors travel between the ranks: "shm", "grpc" or "shm+grpc"
+    transport: str = ""  # how tensors travel between the ranks: "mlx", "shm", "grpc", or a mix "shm+grpc"
 
 
 @dataclass

@@ -32,7 +32,7 @@ class BackendReady(Message):
         super().__init__()
         self.model, self.ranks, self.description = model, ranks, description
         self.blas_warning = blas_warning  # the ranks multiply with the slow reference BLAS
-        self.transport = transport  # how tensors travel between the ranks: "shm", "grpc", "shm+grpc"
+        self.transport = transport  # how tensors travel between the ranks: "mlx", "shm", "grpc", "shm+grpc"
 
 
 class BackendFailed(Message):
