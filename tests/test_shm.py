@@ -16,7 +16,7 @@ from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import shm
 from cpchat.rank.ring import Mailbox
 from cpchat.rank.shm import SharedMemoryLink, SharedMemoryListener
-from cpchat.rank.wire import CHUNK_BYTES, BlockKey, to_host, to_mlx
+from cpchat.rank.wire import CHUNK_BYTES, BlockKey, HostTensor, to_host, to_mlx
 
 TOKEN = "s3cret"
 
@@ -35,11 +35,14 @@ class Receiver:
         self.ended.set()
 
     def take(self, key: BlockKey, source: int = 1) -> list[mx.array]:
+        return [to_mlx(t) for t in self.take_host(key, source)]
+
+    def take_host(self, key: BlockKey, source: int = 1) -> list[HostTensor]:
         abort = threading.Event()
         timer = threading.Timer(30, abort.set)
         timer.start()
         try:
-            return [to_mlx(t) for t in self.mailbox.take(key, source, abort)]
+            return self.mailbox.take(key, source, abort)
         finally:
             timer.cancel()
 
@@ -72,6 +75,19 @@ def test_blocks_of_every_size_arrive_bit_exact(receiver):
     link.close()
     link._thread.join(10)
     assert link.error is None and receiver.closed == []  # a goodbye is not a failure
+
+
+def test_a_one_chunk_tensor_is_copied_once_into_mlx(receiver):
+    """The receiving thread copies a one-chunk tensor straight into MLX memory, so the engine's
+    thread takes it without another copy; larger ones are gathered from their chunks."""
+    link = SharedMemoryLink(receiver.listener.endpoint, "ring", 1, "peer", TOKEN)
+    whole = mx.random.normal((CHUNK_BYTES // 2 // 2, 2)).astype(mx.bfloat16)  # 4 MiB, one chunk
+    larger = mx.random.normal((CHUNK_BYTES // 4 + 3,))  # two chunks
+    link.put(key(0), [to_host(whole), to_host(larger)])
+    got = receiver.take_host(key(0))
+    assert got[0].array is not None and got[1].array is None
+    assert mx.array_equal(to_mlx(got[0]), whole).item() and mx.array_equal(to_mlx(got[1]), larger).item()
+    link.close()
 
 
 def test_a_small_buffer_wraps_and_waits_for_credits(receiver):

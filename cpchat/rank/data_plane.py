@@ -102,8 +102,8 @@ class DataPlane:
             self.broken = f"mx.distributed {self.backend} group broke: {e}"
             raise
 
-    def receive(self, source: int, seq: int, nbytes: int) -> memoryview:
-        """Chunk `seq` from `source`, once the chunks before it have been taken."""
+    def receive(self, source: int, seq: int, nbytes: int) -> mx.array:
+        """Chunk `seq` from `source` (as bytes), once the chunks before it have been taken."""
         if not (0 <= source < self.size and self.reaches(source)):
             raise FrameError(f"rank {source} cannot send through this rank's {self.backend} group")
         if not 0 < nbytes <= CHUNK_BYTES:
@@ -125,7 +125,7 @@ class DataPlane:
             with self._turn:
                 self._received[source] += 1
                 self._turn.notify_all()
-        return memoryview(np.asarray(got))
+        return got
 
 
 def _form(backend: str, rank: int, addresses: list[str]) -> mx.distributed.Group:

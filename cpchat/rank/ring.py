@@ -6,7 +6,7 @@ same host (cpchat/rank/shm.py).
 
 Sending is asynchronous (a queue drained by gRPC's own thread), so the
 engine computes on one block while the next travels. Tensors cross threads
-as `HostTensor`s: only the engine's thread makes MLX arrays.
+as `HostTensor`s: only the engine's thread computes on MLX arrays.
 """
 
 from __future__ import annotations
@@ -106,8 +106,9 @@ class Mailbox:
         self._dead: set[str] = set()
         self.error: str | None = None
 
-    def put(self, frame: pb.Frame, data: memoryview) -> None:
-        """Add one frame (header and data bytes); raises FrameError for a frame that does not fit."""
+    def put(self, frame: pb.Frame, data: memoryview, array: mx.array | None = None) -> None:
+        """Add one frame (header and data bytes, and the MLX array they are a view of, if any);
+        raises FrameError for a frame that does not fit."""
         self._validate(frame, len(data))
         key = (BlockKey(frame.request_id, frame.layer, frame.step, frame.kind), frame.source_rank)
         with self._cond:
@@ -118,7 +119,7 @@ class Mailbox:
             assembler = self._partial.get(key)
             if assembler is None:
                 assembler = self._partial[key] = BlockAssembler(frame)
-            tensors = assembler.add(frame, data)
+            tensors = assembler.add(frame, data, array)
             if tensors is not None:
                 del self._partial[key]
                 self._done[key] = tensors

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 import mlx.core as mx
+import numpy as np
 import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -285,16 +286,18 @@ class RankState:
         if data_bytes > CHUNK_BYTES:
             raise FrameError(f"frame of {data_bytes} bytes exceeds the {CHUNK_BYTES} byte chunk limit")
 
-    def receive(self, frame: pb.Frame, data: memoryview) -> None:
-        """One frame from a link; raises FrameError (or NotNow) for one that does not fit. A chunk
-        whose bytes follow on the data plane takes them first, valid or not (data_plane.py)."""
+    def receive(self, frame: pb.Frame, data: memoryview, array: mx.array | None = None) -> None:
+        """One frame from a link (its bytes, and the MLX array they are a view of if the link made
+        one); raises FrameError (or NotNow) for one that does not fit. A chunk whose bytes follow on
+        the data plane takes them first, valid or not (data_plane.py)."""
         if frame.data_plane_bytes:
             if self.data_plane is None or len(data):
                 raise FrameError("data-plane chunk on a rank without a data plane, or with inline data")
-            data = self.data_plane.receive(frame.source_rank, frame.data_plane_seq, frame.data_plane_bytes)
+            array = self.data_plane.receive(frame.source_rank, frame.data_plane_seq, frame.data_plane_bytes)
+            data = memoryview(np.asarray(array))
         if self.ring is None:
             raise FrameError("this rank is not part of a ring")
-        self.ring.mailbox.put(frame, data)
+        self.ring.mailbox.put(frame, data, array)
 
     def link_closed(self, ring_id: str, source: int) -> None:
         if self.ring is not None and ring_id == self.ring_id:

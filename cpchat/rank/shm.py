@@ -26,6 +26,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+import mlx.core as mx
 import numpy as np
 
 from cpchat.protocol import cpchat_pb2 as pb
@@ -160,7 +161,7 @@ class SharedMemoryListener:
     `deliver(frame, data)` (which raises FrameError for a frame that does not fit); `closed(ring_id,
     source)` is called when a link whose frames were all accepted ends without saying goodbye."""
 
-    def __init__(self, token: str | None, deliver: Callable[[pb.Frame, memoryview], None],
+    def __init__(self, token: str | None, deliver: Callable[[pb.Frame, memoryview, mx.array | None], None],
                  closed: Callable[[str, int], None]) -> None:
         self.endpoint = f"cpchat-{os.getpid()}-{secrets.token_hex(8)}"
         self._token = (token or "").encode()
@@ -225,8 +226,8 @@ class SharedMemoryListener:
             while (message := conn.recv(MAX_MESSAGE)) != BYE:
                 if not message:
                     break  # the sender is gone
-                frame, data, shared = self._chunk(message, view)
-                self._deliver(frame, data)
+                frame, data, array, shared = self._chunk(message, view)
+                self._deliver(frame, data, array)
                 del data
                 if shared:
                     with contextlib.suppress(OSError):  # a sender that left: the next recv says how
@@ -247,9 +248,10 @@ class SharedMemoryListener:
                 self._closed(ring_id, source)
 
     @staticmethod
-    def _chunk(message: bytes, view: memoryview) -> tuple[pb.Frame, memoryview, bool]:
+    def _chunk(message: bytes, view: memoryview) -> tuple[pb.Frame, memoryview, mx.array | None, bool]:
         """One message's frame header, its data (copied out of the shared buffer when the mailbox
-        would keep it as it is) and whether it used the buffer."""
+        would keep it as it is: into MLX memory, the array that follows), and whether it used the
+        buffer."""
         if len(message) < CHUNK.size:
             raise FrameError("short shared-memory message")
         offset, length, header_length = CHUNK.unpack_from(message)
@@ -263,9 +265,13 @@ class SharedMemoryListener:
         if offset == INLINE:
             if len(message) - end != length:
                 raise FrameError("inline data does not match its length")
-            return frame, memoryview(message)[end:], False
+            return frame, memoryview(message)[end:], None, False
         if offset + length > len(view):
             raise FrameError("chunk lies outside the shared buffer")
         data = view[offset : offset + length]
-        # The mailbox keeps a one-chunk tensor's bytes as given; the sender reuses this space.
-        return frame, (memoryview(np.array(data)) if frame.chunk_count == 1 else data), True
+        if frame.chunk_count != 1:
+            return frame, data, None, True  # the mailbox gathers the chunks into a buffer of its own
+        # The mailbox keeps a one-chunk tensor's bytes as given, and the sender reuses this space:
+        # copy them once, to where the engine will use them.
+        array = mx.array(np.frombuffer(data, np.uint8))
+        return frame, memoryview(np.asarray(array)), array, True

@@ -4,11 +4,13 @@ A block (a few tensors sharing one key) is cut into frames of at most
 CHUNK_BYTES; `BlockAssembler` puts them back together and validates every
 header against the bytes it carries.
 
-The transport threads never touch MLX: an MLX array made lazily on one thread
-cannot be evaluated on another ("There is no Stream(cpu, N) in current
-thread"), so tensors become `HostTensor`s (numpy) with `to_host` on the
-computing thread before they travel, and MLX arrays again with `to_mlx` on the
-thread that takes them.
+The transport threads compute nothing in MLX (but mx.distributed's send and recv,
+on streams of their own): an MLX array made lazily on one thread cannot be
+evaluated on another ("There is no Stream(cpu, N) in current thread"), so
+tensors become `HostTensor`s (numpy) with `to_host` on the computing thread
+before they travel, and MLX arrays again with `to_mlx` on the thread that takes
+them. A receiving thread may copy bytes into a new MLX array (made from data,
+it needs no stream), which `to_mlx` then views without a copy.
 """
 
 from __future__ import annotations
@@ -54,10 +56,13 @@ class BlockKey:
 
 @dataclass(frozen=True)
 class HostTensor:
-    """A tensor's bytes in host memory: `data` holds the wire dtype's numpy storage dtype."""
+    """A tensor's bytes in host memory: `data` holds the wire dtype's numpy storage dtype. A link
+    whose receiving thread copied the bytes into MLX memory (as bytes) leaves that array in `array`,
+    a view of which `data` is: `to_mlx` then copies nothing."""
 
     dtype: str
     data: np.ndarray
+    array: mx.array | None = None
 
     def raw(self) -> memoryview:
         return memoryview(self.data.reshape(-1).view(np.uint8))
@@ -74,6 +79,8 @@ def to_host(a: mx.array) -> HostTensor:
 
 
 def to_mlx(t: HostTensor) -> mx.array:
+    if t.array is not None:
+        return t.array.view(DTYPES[t.dtype][1]).reshape(t.data.shape)
     a = mx.array(t.data)
     return a.view(DTYPES[t.dtype][1]) if t.dtype == "bfloat16" else a
 
@@ -195,11 +202,13 @@ class BlockAssembler:
         self.count = first.tensor_count
         self.headers: list[tuple[str, tuple[int, ...]] | None] = [None] * self.count
         self.buffers: list[np.ndarray | memoryview | None] = [None] * self.count
+        self.arrays: list[mx.array | None] = [None] * self.count
         self.seen: list[set[int]] = [set() for _ in range(self.count)]
         self.missing = 0  # chunks still expected for the tensors whose first frame arrived
 
-    def add(self, f: pb.Frame, data: memoryview) -> list[HostTensor] | None:
-        """Add one frame: its parsed header and its data bytes (see `parse_frame`)."""
+    def add(self, f: pb.Frame, data: memoryview, array: mx.array | None = None) -> list[HostTensor] | None:
+        """Add one frame: its parsed header and its data bytes (see `parse_frame`); `array`, if
+        given, holds those bytes in MLX memory and `data` is a view of it."""
         if f.tensor_count != self.count or f.source_rank != self.source_rank:
             raise FrameError("frames of one block disagree on tensor_count or source_rank")
         if f.tensor_index >= self.count:
@@ -228,7 +237,7 @@ class BlockAssembler:
             raise FrameError(f"chunk {f.chunk_index} of tensor {i} arrived twice")
         self.seen[i].add(f.chunk_index)
         if f.chunk_count == 1:
-            self.buffers[i] = data
+            self.buffers[i], self.arrays[i] = data, array
         else:
             self.buffers[i][offset : offset + want] = np.frombuffer(data, dtype=np.uint8)
         self.missing -= 1
@@ -240,4 +249,4 @@ class BlockAssembler:
         dtype, shape = self.headers[i]
         data = np.frombuffer(self.buffers[i], dtype=DTYPES[dtype][0]).reshape(shape)
         self.buffers[i] = None
-        return HostTensor(dtype, data)
+        return HostTensor(dtype, data, self.arrays[i])
