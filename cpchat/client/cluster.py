@@ -271,16 +271,17 @@ class Cluster:
     def data_plane_backend(self) -> str:
         """The mx.distributed backend the ranks' tensors should take ("" for none): with --transport
         mlx the fastest every rank has, with auto one of FAST_DATA_PLANES if every rank has it."""
-        if self.transport not in ("mlx", "auto"):
+        if self.transport not in ("mlx", "auto") or self.size < 2:
             return ""
         shared = [b for b in self.ranks[0].data_plane_backends
                   if all(b in r.data_plane_backends for r in self.ranks)]
         if self.transport == "auto":
-            return next((b for b in shared if b in FAST_DATA_PLANES), "") if self.size > 1 else ""
+            return next((b for b in shared if b in FAST_DATA_PLANES), "")
         if not shared:
-            lacking = next(r for r in self.ranks if not r.data_plane_backends)
-            raise BadInput(f"--transport mlx needs an mx.distributed backend common to every rank, "
-                           f"but {lacking.label} has none")
+            offered = "; ".join(f"{r.label}: {', '.join(r.data_plane_backends) or 'none'}"
+                                for r in self.ranks)
+            raise BadInput(f"--transport mlx needs an mx.distributed backend common to every rank "
+                           f"({offered})")
         return shared[0]
 
     @property

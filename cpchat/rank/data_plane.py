@@ -110,8 +110,9 @@ class DataPlane:
             raise FrameError(f"data-plane chunk of {nbytes} bytes outside 1..{CHUNK_BYTES}")
         with self._turn:
             if not self._received[source] <= seq <= self._received[source] + MAX_AHEAD:
-                raise FrameError(f"data-plane chunk {seq} from rank {source} when "
-                                 f"{self._received[source]} is next")
+                self.broken = (f"data-plane chunk {seq} from rank {source} when "
+                               f"{self._received[source]} is next")
+                raise FrameError(self.broken)
             if not self._turn.wait_for(lambda: self._received[source] == seq, TURN_TIMEOUT_S):
                 self.broken = f"data-plane chunk {self._received[source]} from rank {source} never came"
                 raise FrameError(self.broken)
@@ -188,7 +189,7 @@ class DataPlaneLink(RingLink):
                     # Protobuf merges concatenated messages: the header gains the two fields.
                     follows = pb.Frame(data_plane_bytes=len(data), data_plane_seq=seq)
                     yield header + follows.SerializeToString()
-                    self._plane.send(self._peer_rank, data)  # the receiver has its header by now
+                    self._plane.send(self._peer_rank, data)  # the receiver's recv follows the header
             except Exception as e:
                 self.error = f"cannot send to rank {self.peer}: {type(e).__name__}: {e}"
                 raise
