@@ -34,9 +34,8 @@ def app_parser() -> argparse.ArgumentParser:
                    help="how attention crosses the ranks; auto (default) picks the least estimated time")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="how tensors travel between ranks: auto (default) uses shared memory between ranks "
-                        "on one host and gRPC between hosts, or mx.distributed where every rank has NCCL; "
-                        "grpc: gRPC only; shm: shared memory only; mlx: an mx.distributed group (NCCL, "
-                        "else its TCP ring) for the pairs it reaches")
+                        "on one host and gRPC between hosts; grpc: gRPC only; shm: shared memory only; "
+                        "mlx: an mx.distributed group (its TCP ring backend) between ring neighbours")
     p.add_argument("--devices", default="all", metavar="all|none|I,J,...",
                    help="GPUs the local ranks run on, one rank per GPU in turn (CUDA): all visible "
                         "(default), none, or a comma list of device indices")

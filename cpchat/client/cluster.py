@@ -22,12 +22,10 @@ from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 
 TOKEN_HEADER = "x-cpchat-token"
-# How tensors travel between ranks: shared memory between ranks on one host and gRPC between hosts,
-# or an mx.distributed group where every rank has a fast backend (auto); gRPC only; shared memory
-# only (every rank on this host); or an mx.distributed group on the best backend the ranks share,
-# with shared memory or gRPC for the pairs it does not reach (mlx).
+# How tensors travel between ranks: shared memory between ranks on one host and gRPC between hosts
+# (auto); gRPC only; shared memory only (every rank on this host); or an mx.distributed group on the
+# first backend every rank has, with shared memory or gRPC for the pairs it does not reach (mlx).
 TRANSPORTS = ("auto", "grpc", "shm", "mlx")
-FAST_DATA_PLANES = ("nccl",)  # mx.distributed backends faster than shared memory and gRPC
 DATA_PLANE_TIMEOUT_S = 60.0  # forming a group waits for every rank to connect
 HEALTH_INTERVAL_S = 1.0
 HEALTH_DEADLINE_S = 2.0
@@ -269,14 +267,14 @@ class Cluster:
                            f"only over the network")
 
     def data_plane_backend(self) -> str:
-        """The mx.distributed backend the ranks' tensors should take ("" for none): with --transport
-        mlx the fastest every rank has, with auto one of FAST_DATA_PLANES if every rank has it."""
-        if self.transport not in ("mlx", "auto") or self.size < 2:
+        """The mx.distributed backend the ranks' tensors take with --transport mlx: the first every
+        rank offers ("" for none). `auto` takes none: the one backend with send and recv that MLX
+        has here, its TCP ring, is slower than shared memory and no faster than gRPC
+        (assets/bench/transport)."""
+        if self.transport != "mlx" or self.size < 2:
             return ""
         shared = [b for b in self.ranks[0].data_plane_backends
                   if all(b in r.data_plane_backends for r in self.ranks)]
-        if self.transport == "auto":
-            return next((b for b in shared if b in FAST_DATA_PLANES), "")
         if not shared:
             offered = "; ".join(f"{r.label}: {', '.join(r.data_plane_backends) or 'none'}"
                                 for r in self.ranks)

@@ -1,8 +1,10 @@
 """Tensors between ranks through mx.distributed, with the gRPC link carrying only their headers.
 
-A rank forms one `mx.distributed` group per process (mx.distributed caches its global group), on
-the backend every rank has: `nccl` (CUDA), or `ring` (TCP, any OS), whose send and recv reach only
-the two ring neighbours. The other pairs keep their shared-memory or gRPC link.
+A rank forms one `mx.distributed` group per process (mx.distributed caches its global group). The
+links need send and recv between two ranks, which MLX's `ring` backend (TCP, any OS) has, for the
+two ring neighbours only; the other pairs keep their shared-memory or gRPC link. MLX's `nccl`
+backend has no send or recv (mlx 0.32, mlx/distributed/nccl/nccl.cpp: "Send not supported"), and
+`jaccl` needs each host's RDMA device list: cpchat forms neither.
 
 Each chunk of a block over INLINE_BYTES travels as its `Frame` header on the gRPC stream, with
 `data_plane_bytes` and `data_plane_seq` set and no data, followed by its bytes through
@@ -31,7 +33,7 @@ from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.ring import RingLink
 from cpchat.rank.wire import CHUNK_BYTES, FrameError, block_chunks, block_frame
 
-BACKENDS = ("nccl", "ring")  # the ones cpchat forms, fastest first; jaccl needs RDMA device lists
+BACKENDS = ("ring",)  # the mx.distributed backends cpchat forms, fastest first
 FORM_TIMEOUT_S = 30.0  # for every rank to join the group (the front end waits longer)
 TURN_TIMEOUT_S = 30.0  # for the chunks before this one; beyond it the group is out of step
 INLINE_BYTES = 16 << 10  # chunks up to this size travel inside their gRPC frame
@@ -76,10 +78,8 @@ class DataPlane:
         return (backend, rank, list(addresses)) == (self.backend, self.rank, self.addresses)
 
     def reaches(self, peer: int) -> bool:
-        """Whether send and recv work between this rank and `peer` on this backend."""
-        if self.backend == "ring":
-            return peer in ((self.rank + 1) % self.size, (self.rank - 1) % self.size)
-        return peer != self.rank
+        """Whether send and recv work between this rank and `peer` (ring neighbours, on `ring`)."""
+        return peer in ((self.rank + 1) % self.size, (self.rank - 1) % self.size)
 
     def _stream(self) -> mx.Stream:
         if not hasattr(self._streams, "stream"):
@@ -133,23 +133,15 @@ def _form(backend: str, rank: int, addresses: list[str]) -> mx.distributed.Group
     """Form the group from the ranks' addresses, as `mlx.launch` would through the environment.
     mx.distributed waits for every rank without end, so this waits FORM_TIMEOUT_S at most (the
     waiting thread stays behind, and the process cannot form a group any more)."""
-    env = {"MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(len(addresses))}
-    hostfile = None
-    if backend == "ring":
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as hostfile:
-            json.dump([[a] for a in addresses], hostfile)
-        env["MLX_HOSTFILE"] = hostfile.name
-    else:  # nccl: rank 0's address is where the others meet
-        host, port = addresses[0].rsplit(":", 1)
-        env |= {"NCCL_HOST_IP": host.strip("[]"), "NCCL_PORT": port}
-    os.environ.update(env)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as hostfile:
+        json.dump([[a] for a in addresses], hostfile)
+    os.environ.update(MLX_RANK=str(rank), MLX_WORLD_SIZE=str(len(addresses)), MLX_HOSTFILE=hostfile.name)
     formed: list = []
     thread = threading.Thread(target=lambda: formed.append(_init(backend)), name="data-plane-form",
                               daemon=True)
     thread.start()
     thread.join(FORM_TIMEOUT_S)
-    if hostfile is not None:
-        os.unlink(hostfile.name)
+    os.unlink(hostfile.name)
     if not formed:
         raise TimeoutError(f"not every rank joined within {FORM_TIMEOUT_S:.0f} s (can each reach "
                            f"the others' data-plane addresses {', '.join(addresses)}?)")
