@@ -10,8 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from cpchat.client.launcher import rank_environment
 
@@ -120,3 +123,24 @@ def make_certs(directory: Path, ips: list[str], name: str = "ca") -> dict[str, P
     openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
             "-out", str(cert), "-days", "2", "-extfile", str(ext))
     return {"ca": ca, "cert": cert, "key": key}
+
+
+def ranks_started_with(flag: str, accept: Callable[[str], bool]) -> list[psutil.Process]:
+    """The `cpchat rank` processes, in any namespace, whose command line gives `flag` a value
+    that `accept` takes (the --parent-pid of a front end, the --port of launched ranks)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "rank" in cmd and flag in cmd[:-1] and accept(cmd[cmd.index(flag) + 1]):
+            found.append(p)
+    return found
+
+
+def wait_gone(find: Callable[[], list[psutil.Process]], timeout: float = 10.0) -> list[psutil.Process]:
+    """The processes `find` still lists alive after `timeout`; none once all have exited."""
+    deadline = time.monotonic() + timeout
+    while alive := [p for p in find() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
+        if time.monotonic() > deadline:
+            return alive
+        psutil.wait_procs(alive, timeout=0.1)
+    return []

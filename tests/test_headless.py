@@ -17,6 +17,7 @@ import psutil
 import pytest
 from helpers import reference_generate, reference_model
 from makedocs import write_pdf
+from rankprocs import ranks_started_with, wait_gone
 
 import cpchat
 
@@ -25,21 +26,7 @@ SAMPLE_DOC = Path(__file__).resolve().parents[1] / "assets" / "sample-doc.txt"
 
 
 def rank_processes(parent_pid: int) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "rank" in cmd and "--parent-pid" in cmd and cmd[cmd.index("--parent-pid") + 1] == str(parent_pid):
-            found.append(p)
-    return found
-
-
-def wait_gone(parent_pid: int, timeout: float = 10.0) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout
-    while left := [p for p in rank_processes(parent_pid) if p.is_running() and p.status() != "zombie"]:
-        if time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
-    return []
+    return ranks_started_with("--parent-pid", lambda value: value == str(parent_pid))
 
 
 def run(args: list[str], stdin: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -47,7 +34,7 @@ def run(args: list[str], stdin: str | None = None, timeout: float = 180) -> subp
         CPCHAT + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     out, err = p.communicate(stdin, timeout=timeout)
-    assert wait_gone(p.pid) == [], "rank processes outlived the front end"
+    assert wait_gone(lambda: rank_processes(p.pid)) == [], "rank processes outlived the front end"
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
@@ -302,7 +289,7 @@ def test_ranks_never_outlive_the_front_end(model_dir, sig):
         assert len(rank_processes(p.pid)) == 2
         os.kill(p.pid, sig)
         p.wait(timeout=30)
-        assert wait_gone(p.pid) == []
+        assert wait_gone(lambda: rank_processes(p.pid)) == []
         if sig != signal.SIGKILL:
             assert "Traceback" not in p.stderr.read()
     finally:

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import reference_generate, reference_model
-from rankprocs import CPCHAT, RankProc, start_ranks, stop_all, write_token
+from rankprocs import CPCHAT, RankProc, ranks_started_with, start_ranks, stop_all, wait_gone, write_token
 
 from cpchat.client.cluster import BackendError, Cluster
 from cpchat.protocol import cpchat_pb2 as pb
@@ -322,12 +322,7 @@ def sshd(hosts, tmp_path_factory):
 
 def launched_ranks() -> list[psutil.Process]:
     """The rank processes listening on SSH_PORT, in any namespace."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "rank" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1] == str(SSH_PORT):
-            found.append(p)
-    return found
+    return ranks_started_with("--port", lambda value: value == str(SSH_PORT))
 
 
 def launch(sshd_env: dict, hostfile: Path, model: Path, *extra: str) -> subprocess.Popen:
@@ -348,16 +343,7 @@ def test_launch_over_ssh_matches_mlx_lm_and_stops_the_ranks(hosts, sshd, model_d
     assert [r["address"].rsplit(":", 1)[0] for r in evs[0]["ranks"]] == hosts.addresses[:2]
     assert evs[0]["transport"] == "grpc"
     assert [e["id"] for e in evs if e["event"] == "token"] == expected_tokens(path, 12)
-    assert wait_gone(launched_ranks), "a launched rank outlived the front end"
-
-
-def wait_gone(find, timeout: float = 10.0) -> bool:
-    """Whether every process `find` lists has exited within timeout (ranks notice their ssh session
-    ending within half a second)."""
-    deadline = time.monotonic() + timeout
-    while (alive := find()) and time.monotonic() < deadline:
-        psutil.wait_procs(alive, timeout=0.5)
-    return not find()
+    assert wait_gone(launched_ranks) == [], "a launched rank outlived the front end"
 
 
 def test_a_host_that_refuses_ssh_is_named_and_nothing_is_left(hosts, sshd, model_dir, tmp_path):
@@ -369,7 +355,7 @@ def test_a_host_that_refuses_ssh_is_named_and_nothing_is_left(hosts, sshd, model
     assert p.returncode == 3
     assert err.strip().splitlines()[-1] == (f"cpchat: cannot start a rank on {refusing} over ssh: "
                                             f"root@{refusing}: Permission denied (publickey).")
-    assert wait_gone(launched_ranks)
+    assert wait_gone(launched_ranks) == []
 
 
 def test_a_launched_rank_killed_mid_answer_is_named_and_the_rest_stop(hosts, sshd, model_dir, tmp_path):
@@ -388,4 +374,4 @@ def test_a_launched_rank_killed_mid_answer_is_named_and_the_rest_stop(hosts, ssh
         p.kill()
     assert p.returncode == 3
     assert err.strip().splitlines()[-1].startswith(f"cpchat: rank 1 ({hosts.addresses[1]}:{SSH_PORT})")
-    assert wait_gone(launched_ranks)
+    assert wait_gone(launched_ranks) == []

@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+from rankprocs import ranks_started_with
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 
@@ -44,12 +45,7 @@ def rank_processes(root: int) -> list[psutil.Process]:
         family = {root} | {p.pid for p in psutil.Process(root).children(recursive=True)}
     except psutil.NoSuchProcess:
         return []
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "rank" in cmd and "--parent-pid" in cmd and int(cmd[cmd.index("--parent-pid") + 1]) in family:
-            found.append(p)
-    return found
+    return ranks_started_with("--parent-pid", lambda value: int(value) in family)
 
 
 def kv_tokens(screen: str) -> list[int]:
