@@ -77,6 +77,11 @@ class RankHandle:
     data_plane_port: int = 0  # from Health
 
     @property
+    def host(self) -> str:
+        """The address without its port."""
+        return self.address.rsplit(":", 1)[0]
+
+    @property
     def label(self) -> str:
         return f"rank {self.rank} ({self.address})"
 
@@ -247,7 +252,7 @@ class Cluster:
         if self.transport == "grpc":
             endpoints = []
         backend = self.data_plane_backend()
-        plane = [f"{r.address.rsplit(':', 1)[0]}:{r.data_plane_port}" for r in self.ranks] if backend else []
+        plane = [f"{r.host}:{r.data_plane_port}" for r in self.ranks] if backend else []
 
         def configure(r: RankHandle) -> list[str]:
             reply = r.control.Configure(
@@ -290,7 +295,7 @@ class Cluster:
             if not r.computes_on_cpu:
                 continue
             on_host = [s for s in self.ranks
-                       if s.address.rsplit(":", 1)[0] == r.address.rsplit(":", 1)[0]
+                       if s.host == r.host
                        or (self.link_transports and self.link_transports[r.rank][s.rank] == "shm")]
             if len(on_host) >= r.cpu_cores:
                 return False

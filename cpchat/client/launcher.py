@@ -96,7 +96,7 @@ def launch_local_ranks(n: int, blas_choice: str = "auto", pin_cpus: bool = False
         raise LaunchError(f"--ranks must be at least 1, got {n}")
     env = rank_environment(blas_choice)
     log_dir = Path(tempfile.mkdtemp(prefix="cpchat-ranks-"))
-    started: list[tuple[int, subprocess.Popen, Path]] = []
+    started: list[tuple[subprocess.Popen, Path, str]] = []
     for i in range(n):
         log_path = log_dir / f"rank{i}.log"
         cmd = [
@@ -126,15 +126,21 @@ def launch_local_ranks(n: int, blas_choice: str = "auto", pin_cpus: bool = False
                 env=env,
                 start_new_session=True,
             )
-        started.append((i, process, log_path))
+        started.append((process, log_path, f"local rank {i} failed to start"))
+    return wait_all_listening(started)
+
+
+def wait_all_listening(started: list[tuple[subprocess.Popen, Path, str]]) -> list[LocalRank]:
+    """The ranks of these (process, log, failure message) once each reports its address; on any
+    failure, every one of them is stopped and LaunchError raised (see `wait_listening`)."""
     ranks: list[LocalRank] = []
     try:
-        for i, process, log_path in started:
-            address = wait_listening(process, log_path, f"local rank {i} failed to start")
-            ranks.append(LocalRank(i, process, address, log_path))
+        for i, (process, log_path, failure) in enumerate(started):
+            ranks.append(LocalRank(i, process, wait_listening(process, log_path, failure), log_path))
     except BaseException:
-        for _, process, _ in started:
-            process.kill()
+        for process, _, _ in started:
+            if process.poll() is None:
+                process.kill()
             process.wait()
             process.stdout.close()
         raise

@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpchat.client.launcher import LocalRank, wait_listening
+from cpchat.client.launcher import LocalRank, wait_all_listening
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def launch_remote_ranks(hosts: list[Host], token: str) -> list[LocalRank]:
     stop the ones that started and raise LaunchError naming the host."""
     remote = os.environ.get("CPCHAT_REMOTE_COMMAND", "cpchat")
     log_dir = Path(tempfile.mkdtemp(prefix="cpchat-ssh-ranks-"))
-    started: list[tuple[Host, subprocess.Popen, Path]] = []
+    started: list[tuple[subprocess.Popen, Path, str]] = []
     for i, host in enumerate(hosts):
         command = (f"exec {remote} rank --host {shlex.quote(host.address)} --port {host.port} "
                    f"--token-file /dev/stdin --parent-pid $PPID")
@@ -77,17 +77,5 @@ def launch_remote_ranks(hosts: list[Host], token: str) -> list[LocalRank]:
             process.stdin.close()
         except OSError:
             pass  # ssh already gave up: its log says why
-        started.append((host, process, log_path))
-    ranks: list[LocalRank] = []
-    try:
-        for i, (host, process, log_path) in enumerate(started):
-            address = wait_listening(process, log_path, f"cannot start a rank on {host.ssh} over ssh")
-            ranks.append(LocalRank(i, process, address, log_path))
-    except BaseException:
-        for _, process, _ in started:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-            process.stdout.close()
-        raise
-    return ranks
+        started.append((process, log_path, f"cannot start a rank on {host.ssh} over ssh"))
+    return wait_all_listening(started)
