@@ -87,7 +87,8 @@ def parser() -> argparse.ArgumentParser:
         "--transport", default="1,4,16,64", help="block sizes in MiB for the ring benchmark ('' skips)"
     )
     p.add_argument("--data-planes", default="auto", metavar="LIST",
-                   help="the cpchat rows' transports, a comma list of auto, grpc, shm (one row each)")
+                   help=f"the cpchat rows' transports, a comma list of {', '.join(TRANSPORTS)} "
+                        f"(one row each)")
     p.add_argument(
         "--no-baseline", action="store_true", help="skip mlx-lm (e.g. for contexts it cannot hold)"
     )
@@ -202,11 +203,6 @@ def attention_only(lengths: list[int]) -> int:
     return 0
 
 
-def ring_bandwidth(cluster: Cluster, probe_bytes: int, rounds: int = 3) -> float:
-    """Bytes/s of the slowest ring link for blocks of probe_bytes (all ranks probe at once)."""
-    return ring_link(cluster, probe_bytes, rounds)[0]
-
-
 def ring_link(cluster: Cluster, probe_bytes: int, rounds: int = 3) -> tuple[float, float]:
     """(bytes/s of the slowest ring link for blocks of probe_bytes, the slowest link's one-way
     latency for a small message in seconds), as the ranks measure them together."""
@@ -300,7 +296,7 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, 
         cluster.connect()
         cluster.load(model)
         tokenizer = load_tokenizer(model)
-        bandwidth = ring_bandwidth(cluster, 16 * MB) if n > 1 else 0.0
+        bandwidth = ring_link(cluster, 16 * MB)[0] if n > 1 else 0.0
         measured_blas = " / ".join(sorted({r.blas_label for r in cluster.ranks}))
         for context in contexts:
             ids = prompt_ids(cluster.model.vocab_size, context)
@@ -379,14 +375,11 @@ def run_transport(sizes: list[int]) -> list[dict]:
     floor = floor_rates(sizes, TRANSPORT_ROUNDS, env=rank_environment())
     results = []
     for size in sizes:
-        row = {
-            "block_mib": size // MB,
-            "grpc_ring_gb_s": ours["grpc"][size][0] / 1e9,
-            "shm_ring_gb_s": ours["shm"][size][0] / 1e9,
-            "grpc_latency_us": ours["grpc"][size][1] * 1e6,
-            "shm_latency_us": ours["shm"][size][1] * 1e6,
-            "mlx_ring_gb_s": ours["mlx"][size][0] / 1e9,
-            "mlx_latency_us": ours["mlx"][size][1] * 1e6,
+        row = {"block_mib": size // MB}
+        for transport, rates in ours.items():
+            rate, latency = rates[size]
+            row |= {f"{transport}_ring_gb_s": rate / 1e9, f"{transport}_latency_us": latency * 1e6}
+        row |= {
             "mx_distributed_gb_s": mx_rates.get(size, 0.0) / 1e9,
             "grpc_bytes_only_gb_s": floor.get("grpc", {}).get(size, 0.0) / 1e9,
             "tcp_socket_gb_s": floor.get("socket", {}).get(size, 0.0) / 1e9,
