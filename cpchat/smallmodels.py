@@ -41,6 +41,7 @@ class Family:
     max_positions: int = 1 << 17
     window: int | None = None
     offset_norms: bool = False  # norms scale by 1 + weight (Gemma)
+    final_norm: str = "model.norm.weight"
     config: dict = field(default_factory=dict)
     # weight name suffix -> factor(config): undoes a fixed multiplier of the family, so
     # random weights give activations at the scale an unscaled model's would
@@ -71,6 +72,14 @@ LLAMA3_ROPE_SCALING = {
 # Families whose sliding layers come from `layer_types`, which their published
 # configs leave out: model_config(..., sliding_window=n) adds alternating layers.
 LAYER_TYPES_SLIDING = ("llama", "mistral", "ministral3")
+
+GATED_DELTANET = {  # linear-attention layers of Qwen3-Next and Qwen3.5, shrunk
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(),
@@ -249,11 +258,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "qwen3_next": Family(  # Qwen3-Next: Gated DeltaNet layers, a full-attention layer every 4th
         config={
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_conv_kernel_dim": 4,
+            **GATED_DELTANET,
             "num_experts": 4,
             "num_experts_per_tok": 2,
             "decoder_sparse_step": 1,
@@ -262,6 +267,34 @@ FAMILIES: dict[str, Family] = {
             "moe_intermediate_size": lambda c: c["hidden_size"] // 2,
             "partial_rotary_factor": 0.25,
             "full_attention_interval": 2,
+        },
+    ),
+    "qwen3_5": Family(  # Qwen3.5: Gated DeltaNet layers, a full-attention layer every 4th (text model)
+        layers=4,
+        final_norm="language_model.model.norm.weight",
+        config={
+            **GATED_DELTANET,
+            "full_attention_interval": 4,
+            "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        },
+    ),
+    "nemotron_h": Family(  # Nemotron-H: Mamba-2 layers, attention and MLP blocks between them
+        layers=4,
+        final_norm="backbone.norm_f.weight",
+        config={
+            "hybrid_override_pattern": ["M", "*", "-", "M"],
+            "attention_bias": False,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "mamba_proj_bias": False,
+            "ssm_state_size": 16,
+            "conv_kernel": 4,
+            "n_groups": 2,
+            "mlp_bias": False,
+            "layer_norm_epsilon": 1e-5,
+            "use_bias": False,
+            "use_conv_bias": True,
+            "time_step_limit": [0.0, float("inf")],
         },
     ),
     "deepseek_v3": Family(  # DeepSeek-V3: MLA, sigmoid-routed grouped experts after dense layers
@@ -369,13 +402,14 @@ def model_config(
     rope_theta: float | None = None,
     sliding_window: int | None = None,
     rope_scaling: dict | None = None,
+    overrides: dict | None = None,
 ) -> dict:
     """The config.json of a small `arch` model; None picks the family's default.
 
     `sliding_window` sets the window of the families that always slide, and gives
     llama, mistral and ministral3 alternating sliding and full layers (4 unless
     `num_layers` says otherwise). `rope_scaling` replaces the family's (for
-    example LLAMA3_ROPE_SCALING).
+    example LLAMA3_ROPE_SCALING). `overrides` replace any keys last (a family's layer pattern, say).
     """
     if arch not in FAMILIES:
         raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHITECTURES)}")
@@ -409,7 +443,7 @@ def model_config(
             config["layer_types"] = _alternating(config)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
-    return config
+    return {**config, **(overrides or {})}
 
 
 def write_model(
@@ -443,9 +477,9 @@ def write_model(
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     weights = dict(tree_flatten(model.parameters()))
-    if "model.norm.weight" not in weights:
-        raise ValueError(f"{arch}: no final norm model.norm.weight to scale")
     family = FAMILIES[arch]
+    if family.final_norm not in weights:
+        raise ValueError(f"{arch}: no final norm {family.final_norm} to scale")
     factors = {suffix: f(config) for suffix, f in family.rescale.items()}
     final_scale = weight_scale / _logit_multiplier(config)
     if config["tie_word_embeddings"]:
@@ -453,7 +487,7 @@ def write_model(
     for name, w in weights.items():
         if factor := next((f for suffix, f in factors.items() if name.endswith(suffix)), None):
             weights[name] = w * factor
-        elif name == "model.norm.weight":
+        elif name == family.final_norm:
             if config["tie_word_embeddings"]:
                 # A tied head scores the current token's own embedding highest; random signs
                 # in the final norm stop greedy decoding from repeating it forever.

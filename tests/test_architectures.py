@@ -10,11 +10,11 @@ from test_exactness import assert_same
 from cpchat.client.cluster import BadInput
 from cpchat.smallmodels import ARCHITECTURES, LLAMA3_ROPE_SCALING, write_model
 
-REFUSED = {
-    "qwen3_next": "keeps its state in ArraysCache",  # Gated DeltaNet layers
+REFUSED = {  # name -> (model type, options, what the refusal says)
+    "mamba-only": ("nemotron_h", {"overrides": {"hybrid_override_pattern": ["M", "-"]}}, "no layer attends"),
 }
 VARIANTS = {  # name -> (model type, options): the forms a family takes in published checkpoints
-    **{arch: (arch, {}) for arch in ARCHITECTURES if arch not in REFUSED},
+    **{arch: (arch, {}) for arch in ARCHITECTURES},
     "llama-rope-llama3": ("llama", {"rope_scaling": LLAMA3_ROPE_SCALING}),
     "mistral-sliding": ("mistral", {"sliding_window": 8}),
     "ministral3-sliding": ("ministral3", {"sliding_window": 8}),
@@ -29,7 +29,7 @@ def variant_dir(tmp_path_factory):
 
     def get(name: str):
         if name not in built:
-            arch, options = VARIANTS.get(name, (name, {}))
+            arch, options = VARIANTS[name] if name in VARIANTS else REFUSED[name][:2]
             built[name] = write_model(root / name, arch, **options)
         return built[name]
 
@@ -49,11 +49,12 @@ def test_architecture_matches_mlx_lm(clusters, variant_dir, name, ranks, algorit
         assert_same(got, reference_generate(path, ids, MAX_TOKENS))
 
 
-@pytest.mark.parametrize("arch", sorted(REFUSED))
-def test_unsupported_attention_is_refused_by_name(clusters, variant_dir, arch):
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unsupported_attention_is_refused_by_name(clusters, variant_dir, name):
+    arch, _, says = REFUSED[name]
     cluster = clusters.get(2, variant_dir("llama"))
-    with pytest.raises(BadInput, match=REFUSED[arch]) as refusal:
-        cluster.load(str(variant_dir(arch)))
+    with pytest.raises(BadInput, match=says) as refusal:
+        cluster.load(str(variant_dir(name)))
     assert arch in str(refusal.value) and "\n" not in str(refusal.value)
     clusters.loaded.pop((2, "auto"))  # the ranks keep the old model; reload it for the next test
 

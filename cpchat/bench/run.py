@@ -31,6 +31,14 @@ from cpchat.core.heuristics import ALGORITHMS
 from cpchat.protocol import cpchat_pb2 as pb
 
 MB = 1 << 20
+# Per linear layer, the head counts and sizes of released hybrids (Qwen3.5's Gated DeltaNet: 16 key and 32
+# value heads of 128; Nemotron-H's Mamba-2: heads of 64 over a 128-wide state), at any --hidden.
+BENCH_ARCHS = {
+    "llama": {},
+    "qwen3_5": {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128, "full_attention_interval": 4},
+    "nemotron_h": {"mamba_num_heads": 32, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8},
+}
 
 
 @dataclass
@@ -47,6 +55,7 @@ class Row:
     hidden_share: float | None = None
     blas: str = ""  # the BLAS that was measured, as the processes report it
     estimate_s: float | None = None  # the prefill time cpchat predicted from the ranks' calibration
+    combine_share: float | None = None  # of prefill: linear layers' halo exchange and state combine
 
     def best(self, name: str) -> float:
         values = getattr(self, name)
@@ -61,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cpchat bench", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a small preset that finishes in about two minutes")
     p.add_argument("--model", help="mlx-lm model directory (default: a random llama of --hidden/--layers)")
+    p.add_argument("--arch", default="llama", choices=BENCH_ARCHS,
+                   help="the random model's family: llama, or a hybrid with linear-attention layers "
+                        "(qwen3_5: Gated DeltaNet, nemotron_h: Mamba-2; one full-attention layer in four)")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, help="query heads (default hidden/64)")
@@ -129,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_heads and kv_heads is None:
         print("cpchat bench: several --kv-heads need --algorithms", file=sys.stderr)
         return 2
-    model = str(in_form(Path(args.model) if args.model
-                        else bench_model(args.hidden, args.layers, args.heads, kv_heads), args.form))
+    source = Path(args.model) if args.model else bench_model(args.hidden, args.layers, args.heads, kv_heads,
+                                                             args.arch)
+    model = str(in_form(source, args.form))
     contexts = [int(c) for c in args.contexts.split(",") if c]
     ranks = [int(n) for n in args.ranks.split(",") if n]
     planes = [t.strip() for t in args.data_planes.split(",") if t.strip()]
@@ -215,25 +228,31 @@ def ring_link(cluster: Cluster, probe_bytes: int, rounds: int = 3) -> tuple[floa
             max(max(r.link_latency_s, default=0.0) for r in replies))
 
 
-def bench_model(hidden: int, layers: int, heads: int | None = None, kv_heads: int | None = None) -> Path:
-    """A random float32 llama (cached); a quarter as many KV heads as query heads unless told."""
+def bench_model(hidden: int, layers: int, heads: int | None = None, kv_heads: int | None = None,
+                arch: str = "llama") -> Path:
+    """A random float32 model of `arch` (cached); a quarter as many KV heads as query heads unless told.
+    A hybrid's layers come in fours, three linear and one full attention (nemotron_h: M M M *)."""
     from cpchat.smallmodels import write_model
 
     heads = heads or max(4, hidden // 64)
     kv_heads = kv_heads or max(1, heads // 4)
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
-    name = f"bench-llama-h{hidden}-l{layers}-a{heads}-kv{kv_heads}"
+    name = f"bench-{arch}-h{hidden}-l{layers}-a{heads}-kv{kv_heads}"
     path = cache_dir() / name
+    overrides = dict(BENCH_ARCHS[arch])
+    if arch == "nemotron_h":
+        overrides["hybrid_override_pattern"] = [("*" if i % 4 == 3 else "M") for i in range(layers)]
     if not (path / "config.json").exists():
         write_model(
             path,
-            "llama",
+            arch,
             hidden_size=hidden,
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             intermediate_size=hidden * 3,
+            overrides=overrides,
         )
     return path
 
@@ -317,6 +336,8 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, 
                     if isinstance(event, Prefill):
                         row.prefill_tokens_per_s.append(context / (event.ms / 1000))
                         row.algorithm = event.algorithm
+                        if event.linear_layers:
+                            row.combine_share = event.state_combine_ms / event.ms
                     elif isinstance(event, Done):
                         row.ttft_ms.append(event.ttft_ms)
                         row.decode_tokens_per_s.append(event.decode_tokens_per_s)
@@ -438,14 +459,15 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         lines += [
             "",
             "| system | BLAS | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s | vs mlx-lm "
-            "| KV MiB/rank | peak MiB/rank | hidden comm | prefill estimate |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| KV MiB/rank | peak MiB/rank | hidden comm | state combine | prefill estimate |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
     for r in rows:
         b = base.get((r.context, r.blas))
         pre_ratio = f"{r.best('prefill_tokens_per_s') / b.best('prefill_tokens_per_s'):.2f}×" if b else ""
         dec_ratio = f"{r.best('decode_tokens_per_s') / b.best('decode_tokens_per_s'):.2f}×" if b else ""
         hidden = f"{100 * r.hidden_share:.0f}%" if r.hidden_share is not None else ""
+        combine = f"{100 * r.combine_share:.1f}%" if r.combine_share is not None else ""
         measured_s = r.context / r.best("prefill_tokens_per_s") if r.prefill_tokens_per_s else 0.0
         estimate = ""
         if r.estimate_s and measured_s:  # predicted seconds, and as a multiple of the measured ones
@@ -454,7 +476,7 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
             f"| {r.system} | {r.blas} | {r.context} | {r.best('ttft_ms'):.0f} "
             f"| {r.best('prefill_tokens_per_s'):.0f} | {pre_ratio} | {r.best('decode_tokens_per_s'):.1f} "
             f"| {dec_ratio} | {r.kv_bytes_per_rank / MB:.1f} "
-            f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} | {estimate} |"
+            f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} | {combine} | {estimate} |"
         )
     if transport:
         lines += [

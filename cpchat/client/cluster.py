@@ -60,6 +60,7 @@ class ModelInfo:
     max_context: int
     head_dim: int = 0
     value_dim: int = 0
+    state_layers: int = 0  # of num_layers, those with a recurrent state instead of K/V
 
 
 @dataclass
@@ -345,7 +346,8 @@ class Cluster:
 
         p = self._each(load_one)[0]
         self.model = ModelInfo(model, p.model_type, p.num_layers, p.num_q_heads, p.num_kv_heads,
-                               p.vocab_size, p.bytes_per_element, p.max_context, p.head_dim, p.value_dim)
+                               p.vocab_size, p.bytes_per_element, p.max_context, p.head_dim, p.value_dim,
+                               p.state_layers)
         self.calibrate()
         return self.model
 
@@ -595,7 +597,7 @@ def _rank_stats(r: RankHandle, s: pb.RankStats) -> RankStats:
         rank=r.rank, address=r.address, state=s.state, kv_tokens=s.kv_tokens, kv_bytes=s.kv_bytes,
         rss_bytes=s.rss_bytes, mlx_active_bytes=s.mlx_active_bytes, mlx_peak_bytes=s.mlx_peak_bytes,
         peak_rss_bytes=s.peak_rss_bytes, data_plane_bytes_sent=s.data_plane_bytes_sent,
-        algorithm=s.algorithm, blas=r.blas_label,
+        state_bytes=s.state_bytes, algorithm=s.algorithm, blas=r.blas_label,
         slow_blas=r.slow_blas,
         ring_steps=[RingStep(t.layer, t.step, t.compute_ms, t.wait_ms, t.bytes_sent) for t in s.ring_steps],
     )

@@ -36,6 +36,8 @@ class Prefill:
     ms: float
     reason: str = ""  # why the algorithm ran: auto's least estimate, or forced
     estimates_ms: dict[str, float] = field(default_factory=dict)  # auto's estimate for each algorithm
+    linear_layers: str = ""  # how linear-attention layers crossed the ring (models that have them)
+    state_combine_ms: float = 0.0  # of ms: their halo exchange and state combine, on the reporting rank
 
 
 @dataclass
@@ -52,6 +54,7 @@ class RankUsage:
     kv_tokens: int
     kv_bytes: int
     rss_bytes: int
+    state_bytes: int = 0  # recurrent states of linear-attention layers (the same on every rank)
 
 
 @dataclass
@@ -108,6 +111,7 @@ class RankStats:
     mlx_peak_bytes: int = 0
     peak_rss_bytes: int = 0
     data_plane_bytes_sent: int = 0  # through the ranks' mx.distributed group (--transport mlx)
+    state_bytes: int = 0  # recurrent states and convolution halos of linear-attention layers
     algorithm: str = ""
     ring_steps: list[RingStep] = field(default_factory=list)
     error: str = ""

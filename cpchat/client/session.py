@@ -102,6 +102,7 @@ class Session:
         self.raw_history: list[int] = []  # --raw: every prompt and generated token so far
         self.held: list[int] = []  # tokens whose K/V the ring holds
         self.keep_floor = 0  # a later turn keeps at least this many held tokens, or none
+        self.state_positions: list[int] = []  # where linear layers' states roll back to (besides all held)
         self.turn_index = 0
         self.last_choice: AlgorithmChoice | None = None
         self._cancel = threading.Event()
@@ -121,6 +122,8 @@ class Session:
     def _kept(self, full: list[int]) -> int:
         """How many of `full`'s tokens the ring already holds and can keep."""
         keep = min(common_prefix(self.held, full), len(full) - 1)
+        if self.state_positions:  # a recurrent state goes back only to where the ranks kept one
+            keep = max((p for p in (*self.state_positions, len(self.held)) if p <= keep), default=0)
         return 0 if keep < self.keep_floor else keep  # sliding-window layers no longer hold what keep needs
 
     @property
@@ -184,7 +187,8 @@ class Session:
         m = self.cluster.model
         head_dim = m.head_dim or 64  # ranks older than the field: the model's own sizes are unknown
         return Workload(new_tokens, cached_tokens, self.cluster.size, m.num_q_heads, m.num_kv_heads,
-                        head_dim, m.value_dim or head_dim, m.bytes_per_element, max(m.num_layers, 1))
+                        head_dim, m.value_dim or head_dim, m.bytes_per_element,
+                        max(m.num_layers - m.state_layers, 1))
 
     def measured(self) -> Measured:
         c = self.cluster
@@ -203,6 +207,7 @@ class Session:
         self.cluster = cluster
         self.held = []
         self.keep_floor = 0
+        self.state_positions = []
 
     def reset(self) -> None:
         self.cluster.reset(0)
@@ -210,6 +215,7 @@ class Session:
         self.raw_history.clear()
         self.held.clear()
         self.keep_floor = 0
+        self.state_positions = []
 
     def prepare(self, text: str, docs: Sequence[Document | str | Path] = ()) -> Turn:
         """A user turn (documents first, read here when given as paths) and its prompt's token ids."""
@@ -287,7 +293,8 @@ class Session:
                                    round(1000 * (now - t_start), 1))
             elif which == "prefill":
                 yield Prefill(turn, len(new), keep, choice.algorithm, round(event.prefill.ms, 1),
-                              choice.reason, choice.estimates_ms)
+                              choice.reason, choice.estimates_ms, event.prefill.linear_layers,
+                              round(event.prefill.state_combine_ms, 1))
             elif which == "token":
                 t_last = time.perf_counter()
                 t_first = t_first or t_last
@@ -300,6 +307,7 @@ class Session:
                 done = event.done
         self.held = (full + generated)[: done.cached_tokens]
         self.keep_floor = done.keep_floor
+        self.state_positions = list(done.state_positions)
         if self.raw:
             self.raw_history = full + generated
         # The answer is exactly what was streamed; bytes of an unfinished character at the end are dropped.
@@ -308,7 +316,7 @@ class Session:
         ttft = 1000 * ((t_first or time.perf_counter()) - t_start)
         rate = (len(generated) - 1) / (t_last - t_first) if len(generated) > 1 and t_last > t_first else 0.0
         usage = [
-            RankUsage(r, res.done.kv_tokens, res.done.kv_bytes, res.done.rss_bytes)
+            RankUsage(r, res.done.kv_tokens, res.done.kv_bytes, res.done.rss_bytes, res.done.state_bytes)
             for r, res in sorted(self.cluster.last_results.items())
             if res.done
         ]

@@ -32,6 +32,8 @@ class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GATHER: _ClassVar[FrameKind]
     HEADS: _ClassVar[FrameKind]
     OUTPUT: _ClassVar[FrameKind]
+    HALO: _ClassVar[FrameKind]
+    STATE: _ClassVar[FrameKind]
 ALGORITHM_UNSPECIFIED: Algorithm
 PASS_KV: Algorithm
 PASS_Q: Algorithm
@@ -49,6 +51,8 @@ PROBE: FrameKind
 GATHER: FrameKind
 HEADS: FrameKind
 OUTPUT: FrameKind
+HALO: FrameKind
+STATE: FrameKind
 
 class ConfigureRequest(_message.Message):
     __slots__ = ("rank", "addresses", "ring_id", "shm_endpoints", "data_plane_backend", "data_plane_addresses")
@@ -79,7 +83,7 @@ class LoadModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class LoadProgress(_message.Message):
-    __slots__ = ("stage", "model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "bytes_per_element", "max_context", "value_dim")
+    __slots__ = ("stage", "model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "bytes_per_element", "max_context", "value_dim", "state_layers")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +94,7 @@ class LoadProgress(_message.Message):
     BYTES_PER_ELEMENT_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     VALUE_DIM_FIELD_NUMBER: _ClassVar[int]
+    STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model_type: str
     num_layers: int
@@ -100,7 +105,8 @@ class LoadProgress(_message.Message):
     bytes_per_element: int
     max_context: int
     value_dim: int
-    def __init__(self, stage: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bytes_per_element: _Optional[int] = ..., max_context: _Optional[int] = ..., value_dim: _Optional[int] = ...) -> None: ...
+    state_layers: int
+    def __init__(self, stage: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bytes_per_element: _Optional[int] = ..., max_context: _Optional[int] = ..., value_dim: _Optional[int] = ..., state_layers: _Optional[int] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
     __slots__ = ("probe_bytes", "rounds")
@@ -179,10 +185,14 @@ class LayerProgress(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("ms",)
+    __slots__ = ("ms", "linear_layers", "state_combine_ms")
     MS_FIELD_NUMBER: _ClassVar[int]
+    LINEAR_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    STATE_COMBINE_MS_FIELD_NUMBER: _ClassVar[int]
     ms: float
-    def __init__(self, ms: _Optional[float] = ...) -> None: ...
+    linear_layers: str
+    state_combine_ms: float
+    def __init__(self, ms: _Optional[float] = ..., linear_layers: _Optional[str] = ..., state_combine_ms: _Optional[float] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("id", "logprob")
@@ -193,20 +203,24 @@ class TokenEvent(_message.Message):
     def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class GenerateDone(_message.Message):
-    __slots__ = ("kv_tokens", "kv_bytes", "rss_bytes", "cached_tokens", "cancelled", "keep_floor")
+    __slots__ = ("kv_tokens", "kv_bytes", "rss_bytes", "cached_tokens", "cancelled", "keep_floor", "state_bytes", "state_positions")
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
     KEEP_FLOOR_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     kv_tokens: int
     kv_bytes: int
     rss_bytes: int
     cached_tokens: int
     cancelled: bool
     keep_floor: int
-    def __init__(self, kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cancelled: _Optional[bool] = ..., keep_floor: _Optional[int] = ...) -> None: ...
+    state_bytes: int
+    state_positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cancelled: _Optional[bool] = ..., keep_floor: _Optional[int] = ..., state_bytes: _Optional[int] = ..., state_positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -243,7 +257,7 @@ class RingStep(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., step: _Optional[int] = ..., compute_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
 
 class RankStats(_message.Message):
-    __slots__ = ("rank", "state", "kv_tokens", "kv_bytes", "rss_bytes", "mlx_active_bytes", "mlx_peak_bytes", "algorithm", "ring_steps", "peak_rss_bytes", "data_plane_bytes_sent")
+    __slots__ = ("rank", "state", "kv_tokens", "kv_bytes", "rss_bytes", "mlx_active_bytes", "mlx_peak_bytes", "algorithm", "ring_steps", "peak_rss_bytes", "data_plane_bytes_sent", "state_bytes")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +269,7 @@ class RankStats(_message.Message):
     RING_STEPS_FIELD_NUMBER: _ClassVar[int]
     PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     state: str
     kv_tokens: int
@@ -266,7 +281,8 @@ class RankStats(_message.Message):
     ring_steps: _containers.RepeatedCompositeFieldContainer[RingStep]
     peak_rss_bytes: int
     data_plane_bytes_sent: int
-    def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., algorithm: _Optional[str] = ..., ring_steps: _Optional[_Iterable[_Union[RingStep, _Mapping]]] = ..., peak_rss_bytes: _Optional[int] = ..., data_plane_bytes_sent: _Optional[int] = ...) -> None: ...
+    state_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., algorithm: _Optional[str] = ..., ring_steps: _Optional[_Iterable[_Union[RingStep, _Mapping]]] = ..., peak_rss_bytes: _Optional[int] = ..., data_plane_bytes_sent: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("keep_tokens",)

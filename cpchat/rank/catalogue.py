@@ -20,8 +20,13 @@ def describe(arch: str, root: Path) -> str:
         _, info = load_model(str(path))
     except UnsupportedModel as e:
         return f"refused: {str(e).split(': ', 1)[-1]}"
-    layers = info.layers
+    from cpchat.rank.fit import LayerAttention
+
+    layers = [layer for layer in info.layers if isinstance(layer, LayerAttention)]
     traits = [f"{layers[0].query_heads}:{layers[0].key_heads} heads"]
+    if info.linear:
+        kinds = ", ".join(sorted({info.layers[i].recurrence for i in info.linear}))
+        traits.append(f"{len(info.linear)} of {len(info.layers)} layers linear ({kinds})")
     windows = sorted({layer.window for layer in layers if layer.window})
     if windows:
         sliding = sum(1 for layer in layers if layer.window)
@@ -46,7 +51,8 @@ def print_architectures() -> int:
     for arch, verdict in rows:
         print(f"  {arch:<{width}}  {verdict}")
     print("\nAny other mlx-lm model is checked the same way when it loads: one whose attention is")
-    print("softmax attention through mlx-lm's scaled_dot_product_attention runs; anything else is")
-    print("refused, saying why.")
+    print("softmax attention through mlx-lm's scaled_dot_product_attention runs, and so does a")
+    print("hybrid whose linear layers run mlx-lm's gated_delta_update or ssm_update; anything else")
+    print("is refused, saying why.")
     print("Forms: float32, bfloat16, float16, and 4/8-bit quantized (mlx_lm.convert -q).")
     return 0

@@ -20,11 +20,12 @@ import mlx.core as mx
 import numpy as np
 
 from cpchat.core.attention import add_sink, merge_partials, partial_attention
-from cpchat.core.sharding import head_split
+from cpchat.core.sharding import head_split, head_tail_positions
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.fit import AttentionCall, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.ring import Ring
+from cpchat.rank.statestore import StateStore
 from cpchat.rank.wire import BlockKey, block_nbytes
 
 
@@ -63,8 +64,26 @@ class RingPass:
     abort: threading.Event
     windows: list[int | None]  # per layer: the sliding window, or None for full causal attention
     on_layer: object = None  # callable(layer) for progress
+    linear: frozenset[int] = frozenset()  # layers with a recurrent state (cpchat.rank.linear_layers)
+    states: StateStore | None = None  # their states and halos (every rank holds them all)
+    start: int = 0  # global position of the first new token
+    seq_len: int = 0  # new tokens in this forward (all ranks' together, in prefill)
     timings: list[StepTiming] = field(default_factory=list)
     calls: list[AttentionCall] = field(default_factory=list)  # what each layer asked of attention
+    recurrences: list[tuple[int, str]] = field(default_factory=list)  # what each linear layer ran
+
+    @property
+    def decoding(self) -> bool:
+        """Every rank runs the same one token (decode), rather than its own rows of the prompt."""
+        return self.mode.startswith("decode")
+
+    @property
+    def chunk(self) -> int:
+        return len(self.q_positions) // 2  # prefill: two rows, a head and a tail chunk
+
+    def positions_of(self, rank: int) -> list[int]:
+        """Global positions of the new tokens `rank` holds in this prefill."""
+        return [self.start + p for p in head_tail_positions(self.seq_len, self.ring.size, rank)]
 
     # ---- the two hooks the model calls
 
@@ -118,6 +137,8 @@ class RingPass:
         return out, lse
 
     def _key(self, layer: int, step: int, kind: int) -> BlockKey:
+        if self.decoding:  # consecutive tokens' partials differ: a rank may run one token ahead
+            step += self.start % 2 * self.ring.size
         return BlockKey(self.request_id, layer, step, kind)
 
     def _take(self, timing: StepTiming, key: BlockKey, source: int | None = None) -> list[mx.array]:
@@ -132,7 +153,7 @@ class RingPass:
         self.ring.send_all(key, tensors, to)
         timing.bytes_sent += block_nbytes(tensors) * len(to)
 
-    def _step(self, layer: int, step: int) -> StepTiming:
+    def step_timing(self, layer: int, step: int) -> StepTiming:
         timing = StepTiming(layer, step)
         self.timings.append(timing)
         return timing
@@ -144,7 +165,7 @@ class RingPass:
         parts = []
         block = None if k is None else [k, v, mx.array(k_pos)]
         for step in range(n):
-            timing = self._step(layer, step)
+            timing = self.step_timing(layer, step)
             if step > 0:
                 block = self._take(timing, self._key(layer, step - 1, pb.KV))
                 block = None if block[2].size == 0 else block
@@ -159,14 +180,14 @@ class RingPass:
         """K/V stay; each rank's queries travel a full lap carrying their running
         (out, lse), merging one partial per rank, and come home (N hops)."""
         n, layer = self.ring.size, call.layer
-        timing = self._step(layer, 0)
+        timing = self.step_timing(layer, 0)
         out, lse = self._timed_local(call, timing, q, self.q_positions, k, v, k_pos)
         if n == 1:
             return out, lse
         q_pos = mx.array(self.q_positions)
         self._send(timing, self._key(layer, 0, pb.QUERY), [q, q_pos, out, lse])
         for step in range(1, n + 1):
-            timing = self._step(layer, step)
+            timing = self.step_timing(layer, step)
             vq, vq_pos, vout, vlse = self._take(timing, self._key(layer, step - 1, pb.QUERY))
             if step == n:
                 return vout, vlse  # our own queries, home with every rank's partial merged
@@ -180,10 +201,10 @@ class RingPass:
         block while the others arrive, then to all of theirs in one pass. The others' K/V is
         dropped when the layer ends: the store stays 1/N of the sequence."""
         layer, key = call.layer, self._key(call.layer, 0, pb.GATHER)
-        timing = self._step(layer, 0)
+        timing = self.step_timing(layer, 0)
         self._send(timing, key, _kv_block(q, k, v, k_pos), to=self.ring.peers)
         parts = [self._timed_local(call, timing, q, self.q_positions, k, v, k_pos)]
-        timing = self._step(layer, 1)
+        timing = self.step_timing(layer, 1)
         blocks = [self._take(timing, key, source) for source in self.ring.peers]
         blocks = [b for b in blocks if b[2].size]
         if blocks:
@@ -200,7 +221,7 @@ class RingPass:
         ranks goes to both."""
         n, me, layer = self.ring.size, self.ring.rank, call.layer
         shares = head_split(q.shape[1], call.kv_heads, n)
-        timing = self._step(layer, 0)
+        timing = self.step_timing(layer, 0)
         q_pos = mx.array(self.q_positions)
         kv = _kv_block(q, k, v, k_pos)
         for rank, share in enumerate(shares):
@@ -211,7 +232,7 @@ class RingPass:
                 self._send(timing, self._key(layer, 0, pb.HEADS), block, to=[rank])
         home = {}
         if shares[me].stop > shares[me].start:  # with more ranks than query heads, some have none
-            timing = self._step(layer, 1)
+            timing = self.step_timing(layer, 1)
             heads_key = self._key(layer, 0, pb.HEADS)
             blocks = [own if r == me else self._take(timing, heads_key, r) for r in range(n)]
             gq = mx.concatenate([b[0] for b in blocks], axis=2)
@@ -224,7 +245,7 @@ class RingPass:
             home = {r: [a[:, :, bounds[r]:bounds[r + 1]] for a in (out, lse)] for r in range(n)}
             for r in self.ring.peers:
                 self._send(timing, self._key(layer, 0, pb.OUTPUT), home[r], to=[r])
-        timing = self._step(layer, 2)
+        timing = self.step_timing(layer, 2)
         parts = [home[me] if r == me else self._take(timing, self._key(layer, 0, pb.OUTPUT), r)
                  for r, share in enumerate(shares) if share.stop > share.start]
         return mx.concatenate([o for o, _ in parts], axis=1), mx.concatenate([s for _, s in parts], axis=1)
@@ -233,12 +254,12 @@ class RingPass:
         """Decode in one exchange: every rank holds the same query, sends its partial output to
         every other rank at once, and merges all N in rank order, so all ranks agree bit for bit."""
         layer, key = call.layer, self._key(call.layer, 0, pb.PARTIAL)
-        timing = self._step(layer, 0)
+        timing = self.step_timing(layer, 0)
         mine = self._timed_local(call, timing, q, self.q_positions, k, v, k_pos)
         if self.ring.size == 1:
             return mine
         self._send(timing, key, list(mine), to=self.ring.peers)
-        timing = self._step(layer, 1)
+        timing = self.step_timing(layer, 1)
         parts = [mine if r == self.ring.rank else tuple(self._take(timing, key, r))
                  for r in range(self.ring.size)]
         return merge_partials(parts)
@@ -247,12 +268,12 @@ class RingPass:
         """Decode over the ring: every rank holds the same query; partial outputs go around the
         ring (N-1 hops) and are merged in rank order, so all ranks agree bit for bit."""
         n, layer = self.ring.size, call.layer
-        timing = self._step(layer, 0)
+        timing = self.step_timing(layer, 0)
         parts = {self.ring.rank: self._timed_local(call, timing, q, self.q_positions, k, v, k_pos)}
         block = list(parts[self.ring.rank])
         for step in range(n - 1):
             self._send(timing, self._key(layer, step, pb.PARTIAL), block)
-            timing = self._step(layer, step + 1)
+            timing = self.step_timing(layer, step + 1)
             block = self._take(timing, self._key(layer, step, pb.PARTIAL))
             parts[(self.ring.rank - step - 1) % n] = tuple(block)
         return merge_partials([parts[r] for r in range(n)])

@@ -21,12 +21,14 @@ from cpchat.core.attention import partial_attention
 from cpchat.core.estimate import PrefillCost, line_through
 from cpchat.core.sharding import head_tail_layout, owner_of
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank import context_parallel, fit, latent_attention
+from cpchat.rank import context_parallel, fit, latent_attention, linear_layers
 from cpchat.rank.context_parallel import RingPass, ShardCache, StepTiming
 from cpchat.rank.cpu_products import use_float32_products
-from cpchat.rank.fit import LayerAttention, UnsupportedModel
+from cpchat.rank.fit import LayerAttention, LayerRecurrence, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
+from cpchat.rank.linear_layers import StateCache
 from cpchat.rank.ring import Aborted, Mailbox, Ring
+from cpchat.rank.statestore import StateStore
 from cpchat.rank.wire import BlockKey
 
 
@@ -41,15 +43,24 @@ PREFILL_MODES = {pb.ALGORITHM_UNSPECIFIED: "pass_kv", pb.PASS_KV: "pass_kv", pb.
 @dataclass
 class ModelInfo:
     model_type: str
-    num_layers: int  # attention layers, i.e. KV cache slots
+    num_layers: int  # layers with a cache: attention layers (KV) and linear layers (a recurrent state)
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
     bytes_per_element: int  # of the K/V the ranks hold and send
     max_context: int
-    layers: list[LayerAttention]
+    layers: list[LayerAttention | LayerRecurrence]
     exact_tokens: int | None  # past this, mlx-lm's own RoPE depends on how it cuts the prompt
+
+    @property
+    def linear(self) -> frozenset[int]:
+        """The layers that keep a recurrent state."""
+        return frozenset(i for i, layer in enumerate(self.layers) if isinstance(layer, LayerRecurrence))
+
+    @property
+    def first_attention(self) -> LayerAttention:
+        return next(layer for layer in self.layers if isinstance(layer, LayerAttention))
 
 
 def load_model(name: str):
@@ -65,14 +76,16 @@ def load_model(name: str):
             raise UnsupportedModel(str(e)) from None
         raise
     context_parallel.install()
+    linear_layers.install()
     latent_attention.adapt(model)
+    linear_layers.adapt(model)
     max_positions = int(config.get("max_position_embeddings") or 0)
     exact_tokens = fit.fit_rotary(model, max_positions)
     usable = fit.usable_context(config)
     if mx.default_device() == mx.cpu:
         use_float32_products(model)
     layers = fit.describe_layers(model, _probe_forward(model))
-    first = layers[0]
+    first = next(layer for layer in layers if isinstance(layer, LayerAttention))  # cache_slots saw one
     info = ModelInfo(
         model_type=config.get("model_type", fit.model_name(model)),
         num_layers=len(layers),
@@ -102,13 +115,15 @@ def _probe_forward(model, chunk: int = 3) -> fit.ProbeResult:
     """One forward through a ring of one rank, laid out as a prefill is (two rows of `chunk`
     tokens at different positions), recording what every layer's attention was given."""
     slots = fit.cache_slots(model)
-    kv = KVShard(len(slots))
+    linear = frozenset(i for i, s in enumerate(slots) if s.state)
+    kv = KVShard(len(slots), linear)
     ring = Ring(0, 1, {}, Mailbox(lambda frame, size: None))
     positions = np.arange(2 * chunk)
     ring_pass = RingPass(
         request_id="probe", mode="pass_kv", ring=ring, kv=kv, row_offsets=mx.array([0, chunk]),
         q_positions=positions, real=np.ones(2 * chunk, bool), store=True,
-        abort=threading.Event(), windows=[s.window for s in slots],
+        abort=threading.Event(), windows=[s.window for s in slots], linear=linear, states=StateStore(),
+        seq_len=2 * chunk,
     )
     kv.begin_append(positions)
     try:
@@ -120,7 +135,7 @@ def _probe_forward(model, chunk: int = 3) -> fit.ProbeResult:
             f"{fit.model_name(model)}: the model does not run with cpchat's context-parallel "
             f"layout (rows of tokens at different positions, attention through the ring): "
             f"{type(e).__name__}: {e}") from None
-    return fit.ProbeResult(slots, ring_pass.calls, kv)
+    return fit.ProbeResult(slots, ring_pass.calls, kv, ring_pass.recurrences, ring_pass.states)
 
 
 def measure_prefill(model, info: ModelInfo) -> PrefillCost:
@@ -136,7 +151,7 @@ def measure_prefill(model, info: ModelInfo) -> PrefillCost:
     short = min(forward_s(8), forward_s(8))
     tokens = int(min(max(8 * 0.3 / max(short, 1e-6), 40), 1024)) // 2 * 2
     fixed, per_token = line_through(8, short, tokens, forward_s(tokens))
-    layer, queries, keys = info.layers[0], 1024, 2048
+    layer, queries, keys = info.first_attention, 1024, 2048
     q = mx.random.normal((1, layer.query_heads, queries, layer.key_dim))
     k = mx.random.normal((1, layer.key_heads, keys, layer.key_dim))
     v = mx.random.normal((1, layer.key_heads, keys, layer.value_dim))
@@ -147,14 +162,15 @@ def measure_prefill(model, info: ModelInfo) -> PrefillCost:
         mx.eval(*partial_attention(q, k, v, np.arange(keys, keys + queries), np.arange(keys), scale=1.0))
         return time.perf_counter() - start
 
-    per_pair = min(attention_s(), attention_s()) / (queries * keys) * info.num_layers
+    per_pair = min(attention_s(), attention_s()) / (queries * keys) * (info.num_layers - len(info.linear))
     return PrefillCost(fixed, per_token, per_pair)
 
 
 def _run_model(model, ring_pass: RingPass, ids: mx.array, row: int) -> mx.array:
     """The model's own __call__ (so its output path — softcapping, logit scaling — runs as in
     mlx-lm) over this rank's rows, with the head applied to one flattened row only."""
-    caches = [ShardCache(ring_pass, i) for i in range(ring_pass.kv.num_layers)]
+    caches = [StateCache(ring_pass, i) if i in ring_pass.linear else ShardCache(ring_pass, i)
+              for i in range(ring_pass.kv.num_layers)]
     with fit.head_on_row(model, row):
         logits = model(ids, cache=caches)
     mx.eval(logits)
@@ -184,6 +200,7 @@ class Engine:
         self.model = None
         self.info: ModelInfo | None = None
         self.kv: KVShard | None = None
+        self.states = StateStore()
         self.total_tokens = 0  # tokens the whole ring holds
         self.last_timings: list[StepTiming] = []
         self.last_algorithm = ""
@@ -192,13 +209,16 @@ class Engine:
     def load(self, path: str) -> ModelInfo:
         self.model, self.info = load_model(path)
         self.prefill_cost = measure_prefill(self.model, self.info)
-        self.kv = KVShard(self.info.num_layers)
+        self.kv = KVShard(self.info.num_layers, self.info.linear)
+        self.states = StateStore()
         self.total_tokens = 0
         return self.info
 
     def reset(self, keep_tokens: int = 0) -> None:
         self._check_keep(keep_tokens)
         self.kv.truncate(keep_tokens)
+        if keep_tokens != self.total_tokens:
+            self.states.restore(keep_tokens)
         self.total_tokens = keep_tokens
         if keep_tokens == 0:
             self.keep_floor = 0
@@ -209,6 +229,10 @@ class Engine:
         if 0 < keep_tokens < self.keep_floor:
             raise BadRequest(f"cannot keep {keep_tokens} tokens: sliding-window layers hold keys for "
                              f"{self.keep_floor} tokens on; keep those or none")
+        if self.info.linear and keep_tokens not in (self.total_tokens, *self.states.snapshots):
+            held = ", ".join(map(str, sorted({self.total_tokens, *self.states.snapshots})))
+            raise BadRequest(f"cannot keep {keep_tokens} tokens: linear-attention layers hold their state "
+                             f"after {held} tokens only")
 
     def _forget_outside_windows(self, prompt_end: int, rollback_to: int) -> None:
         """Sliding-window layers drop the keys no query from `prompt_end` on can see (q - k >= window),
@@ -228,6 +252,21 @@ class Engine:
     @property
     def slides(self) -> bool:
         return any(self.windows)
+
+    @property
+    def state_positions(self) -> list[int]:
+        """Token counts the linear layers' states can roll back to, besides all and none."""
+        return sorted(p for p in self.states.snapshots if p) if self.info.linear else []
+
+    def linear_summary(self, ranks: int) -> str:
+        """How the linear layers ran in a prefill, for the prefill event and the Ring panel."""
+        linear = [self.info.layers[i] for i in sorted(self.info.linear)]
+        if not linear:
+            return ""
+        kinds = ", ".join(sorted({layer.recurrence for layer in linear}))
+        return (f"{len(linear)} of {self.info.num_layers} layers linear ({kinds}): {2 * ranks} chunks run "
+                f"from zero and identity states on {ranks} rank{'s' * (ranks > 1)}, their transforms "
+                "all-gathered and folded in order; convolution halos exchanged")
 
     def _prefill(
         self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, on_layer
@@ -251,6 +290,10 @@ class Engine:
             abort=abort,
             windows=self.windows,
             on_layer=on_layer,
+            linear=self.info.linear,
+            states=self.states,
+            start=start,
+            seq_len=len(tokens),
         )
         mine = owner_of(len(tokens) - 1, len(tokens), n) == ring.rank
         logits = _run_model(self.model, ring_pass, ids, row=local.index(len(tokens) - 1) if mine else 0)
@@ -276,6 +319,10 @@ class Engine:
             store=store,
             abort=abort,
             windows=self.windows,
+            linear=self.info.linear,
+            states=self.states,
+            start=position,
+            seq_len=1,
         )
         logits = _run_model(self.model, ring_pass, mx.array([[token]]), row=0)
         self._record(ring_pass)
@@ -330,14 +377,20 @@ class Engine:
 
         try:
             t0 = time.perf_counter()
+            self.states.snapshot(start, keep={start})
             logits = self._prefill(req, ring, abort, on_layer)
             prompt_end = start + len(req.tokens)
+            self.states.snapshot(prompt_end, keep={start})
             if self.slides:
                 self.keep_floor = start  # a roll back still needs the window before `start`
                 self._forget_outside_windows(prompt_end, rollback_to=start)
             source = owner_of(len(req.tokens) - 1, len(req.tokens), ring.size)
             token, logprob = self._agree(req, ring, abort, source, 0, logits)
-            emit(pb.GenerateEvent(prefill=pb.PrefillDone(ms=1000 * (time.perf_counter() - t0))))
+            combine_ms = sum(t.wait_ms + t.compute_ms for t in self.last_timings
+                             if t.layer in self.info.linear and t.step != 1)
+            emit(pb.GenerateEvent(prefill=pb.PrefillDone(ms=1000 * (time.perf_counter() - t0),
+                                                         linear_layers=self.linear_summary(ring.size),
+                                                         state_combine_ms=combine_ms)))
             for index in range(req.max_tokens):
                 if token in stop:
                     break

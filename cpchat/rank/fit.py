@@ -2,10 +2,12 @@
 
 - `cache_slots`: mlx-lm's own `make_cache()` says what each attention layer keeps — a plain
   `KVCache` (full causal attention), a `RotatingKVCache(max_size=W)` (a sliding window of W keys),
-  or a recurrent state (linear attention, state-space layers), which cpchat refuses by name.
+  or an `ArraysCache` (the recurrent state of a linear-attention or state-space layer, run by
+  `linear_layers`); anything else is refused by name.
 - `describe_layers`: one probe forward through a ring of one rank records, per layer, the query,
-  key and value heads and sizes, the K/V dtype, and whether attention sinks are passed; a layer
-  that computes attention by itself is refused (and `RingPass.attend` refuses a mask of its own).
+  key and value heads and sizes, the K/V dtype, and whether attention sinks are passed (or, for a
+  linear layer, which recurrence it runs and its state's size); a layer that computes attention
+  or its recurrence by itself is refused (and `RingPass.attend` refuses a mask of its own).
 - `fit_rotary`: a RoPE that cannot take per-row offsets is called once per row, and one whose
   rotation depends on the sequence length (dynamic NTK) bounds the context cpchat serves exactly.
 - `head_on_row`: runs the model's own `__call__` (its output path: tied or untied head, logit
@@ -23,6 +25,7 @@ import mlx.nn as nn
 
 if TYPE_CHECKING:
     from cpchat.rank.kvstore import KVShard
+    from cpchat.rank.statestore import StateStore
 
 
 class UnsupportedModel(ValueError):
@@ -32,6 +35,7 @@ class UnsupportedModel(ValueError):
 @dataclass(frozen=True)
 class CacheSlot:
     window: int | None  # keys with q_pos - k_pos < window are visible; None: every earlier key
+    state: bool = False  # a linear layer's recurrent state, not keys and values
 
 
 @dataclass(frozen=True)
@@ -54,11 +58,22 @@ class LayerAttention:
     sinks: bool
 
 
+@dataclass(frozen=True)
+class LayerRecurrence:
+    """A linear-attention or state-space layer: the recurrence it runs and what it keeps."""
+
+    recurrence: str
+    state_bytes: int  # its recurrent state and convolution halo, for the whole conversation
+    window = None  # sees every earlier token (through its state)
+
+
 @dataclass
 class ProbeResult:
     slots: list[CacheSlot]
     calls: list[AttentionCall]
     kv: KVShard
+    recurrences: list[tuple[int, str]]
+    states: StateStore
 
 
 def model_name(model: nn.Module) -> str:
@@ -67,7 +82,7 @@ def model_name(model: nn.Module) -> str:
 
 def cache_slots(model: nn.Module) -> list[CacheSlot]:
     """One slot per cache the model's layers use, in the order the model takes them."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
     if not hasattr(model, "make_cache"):
         return [CacheSlot(None) for _ in model.layers]
@@ -77,13 +92,18 @@ def cache_slots(model: nn.Module) -> list[CacheSlot]:
             slots.append(CacheSlot(None))
         elif type(cache) is RotatingKVCache and cache.keep == 0:
             slots.append(CacheSlot(int(cache.max_size)))
+        elif isinstance(cache, ArraysCache):
+            slots.append(CacheSlot(None, state=True))
         else:
             layer = type(model.layers[i]).__name__ if i < len(model.layers) else f"cache {i}"
             raise UnsupportedModel(
                 f"{model_name(model)}: layer {i} ({layer}) keeps its state in {type(cache).__name__}, not as "
-                "keys and values cpchat can shard (the recurrent state of linear-attention and state-space "
-                "layers, chunked and sink-keeping caches are not supported yet)"
+                "keys and values or a recurrent state cpchat can run across ranks (chunked and sink-keeping "
+                "caches are not supported yet)"
             )
+    if all(slot.state for slot in slots):
+        raise UnsupportedModel(f"{model_name(model)}: no layer attends over keys and values; cpchat runs "
+                               "hybrids of linear and softmax attention, not models of recurrent layers only")
     return slots
 
 
@@ -161,9 +181,12 @@ def mix_in(module: nn.Module, mixin: type) -> None:
         module.__class__ = _mixed.setdefault((mixin, cls), type(cls.__name__, (mixin, cls), {}))
 
 
-def describe_layers(model: nn.Module, probe: ProbeResult) -> list[LayerAttention]:
+def describe_layers(model: nn.Module, probe: ProbeResult) -> list[LayerAttention | LayerRecurrence]:
     layers = []
     for i, slot in enumerate(probe.slots):
+        if slot.state:
+            layers.append(_describe_recurrence(model, probe, i))
+            continue
         calls = [c for c in probe.calls if c.layer == i]
         keys, values, _ = probe.kv.layer(i)
         if not calls or keys is None:
@@ -177,6 +200,16 @@ def describe_layers(model: nn.Module, probe: ProbeResult) -> list[LayerAttention
             key_dim=keys.shape[3], value_dim=values.shape[3], dtype_bytes=keys.dtype.size, sinks=call.sinks,
         ))
     return layers
+
+
+def _describe_recurrence(model: nn.Module, probe: ProbeResult, i: int) -> LayerRecurrence:
+    runs = [name for layer, name in probe.recurrences if layer == i]
+    if len(runs) != 1:
+        raise UnsupportedModel(f"{model_name(model)}: layer {i} keeps a recurrent state but "
+                               + ("runs its recurrence outside mlx-lm's gated_delta_update and ssm_update"
+                                  if not runs else f"runs {len(runs)} recurrences in a forward"))
+    state = probe.states.layers[i]
+    return LayerRecurrence(runs[0], state.state.nbytes + state.halo.nbytes)
 
 
 def _inner_name(model: nn.Module) -> str:

@@ -17,8 +17,9 @@ GROW = 256
 
 
 class KVShard:
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, linear: frozenset[int] = frozenset()) -> None:
         self.num_layers = num_layers
+        self.linear = linear  # layers that keep a recurrent state instead (cpchat.rank.statestore)
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
         self.positions = np.zeros(0, dtype=np.int32)
@@ -67,7 +68,8 @@ class KVShard:
             self.positions = np.concatenate([self.positions, self._pending])
             self._layer_positions = [np.concatenate([p, self._pending]) for p in self._layer_positions]
             self._pending = None
-        assert all(n == len(p) for n, p in zip(self._lengths, self._layer_positions)), "layers out of step"
+        assert all(n == len(p) for i, (n, p) in enumerate(zip(self._lengths, self._layer_positions))
+                   if i not in self.linear), "layers out of step"
 
     def layer(self, layer: int) -> tuple[mx.array, mx.array, np.ndarray]:
         """Keys, values and positions of one layer, the pending append included."""

@@ -69,7 +69,7 @@ HEALTH_CHECKED = ("", CONTROL_SERVICE)
 SERVING_STATES = frozenset({"ready", "busy"})  # a generation running is still serving
 _END = object()
 # Frames of a ring pass: their layer must be the model's, their step inside the ring.
-ATTENTION_KINDS = frozenset({pb.KV, pb.QUERY, pb.PARTIAL, pb.GATHER, pb.HEADS, pb.OUTPUT})
+LAYER_KINDS = frozenset({pb.KV, pb.QUERY, pb.PARTIAL, pb.GATHER, pb.HEADS, pb.OUTPUT, pb.HALO, pb.STATE})
 
 
 @dataclass
@@ -268,11 +268,11 @@ class RankState:
         size = self.ring.size
         if f.source_rank >= size or f.source_rank == self.ring.rank:
             raise FrameError(f"source_rank {f.source_rank} is not another rank of the ring of {size}")
-        if f.kind in ATTENTION_KINDS:
+        if f.kind in LAYER_KINDS:
             layers = self.engine.info.num_layers if self.engine.info else 0
             if f.layer >= layers:
                 raise FrameError(f"layer {f.layer} outside the model's {layers} layers")
-            if f.step >= size:
+            if f.step >= (2 * size if f.kind == pb.PARTIAL else size):
                 raise FrameError(f"step {f.step} outside a ring of {size}")
         elif f.kind not in (pb.TOKEN, pb.PROBE):
             raise FrameError(f"unknown frame kind {f.kind}")
@@ -419,6 +419,7 @@ class RankState:
             mlx_peak_bytes=mx.get_peak_memory(),
             peak_rss_bytes=peak_rss_bytes(),
             data_plane_bytes_sent=self.data_plane.bytes_sent if self.data_plane else 0,
+            state_bytes=self.engine.states.nbytes,
             algorithm=self.engine.last_algorithm,
             ring_steps=[
                 pb.RingStep(layer=t.layer, step=t.step, compute_ms=t.compute_ms, wait_ms=t.wait_ms,
@@ -464,7 +465,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             stage="ready", model_type=info.model_type, num_layers=info.num_layers,
             num_q_heads=info.num_q_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
             vocab_size=info.vocab_size, bytes_per_element=info.bytes_per_element,
-            max_context=info.max_context, value_dim=info.layers[0].value_dim,
+            max_context=info.max_context, value_dim=info.first_attention.value_dim,
+            state_layers=len(info.linear),
         )
 
     def Calibrate(self, request, context):
@@ -521,7 +523,8 @@ class ControlServicer(pb_grpc.ControlServicer):
         return pb.GenerateDone(
             kv_tokens=len(kv), kv_bytes=kv.nbytes, rss_bytes=psutil.Process().memory_info().rss,
             cached_tokens=self.s.engine.total_tokens, cancelled=cancelled,
-            keep_floor=self.s.engine.keep_floor,
+            keep_floor=self.s.engine.keep_floor, state_bytes=self.s.engine.states.nbytes,
+            state_positions=self.s.engine.state_positions,
         )
 
     def Cancel(self, request, context):

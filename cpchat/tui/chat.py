@@ -425,6 +425,7 @@ class ChatScreen(Screen):
         p = message.prefill
         if message.choice is not None:
             self.query_one(RingPanel).choice = message.choice
+        self.query_one(RingPanel).linear = p.linear_layers
         if p.ms > 0:
             self.query_one(ThroughputPanel).prefill_tps = p.new_tokens / (p.ms / 1000)
 

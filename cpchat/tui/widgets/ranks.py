@@ -1,4 +1,5 @@
-"""The Ranks panel: one row per rank with state, KV held (bar against the largest) and memory."""
+"""The Ranks panel: one row per rank with state, KV held (bar against the largest), the recurrent
+state of linear-attention layers (models that have them) and memory."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ class RankRow(Widget):
         fraction = s.kv_bytes / self.largest_kv if self.largest_kv else 0.0
         kv = f" {human_count(s.kv_tokens)} tok {human_bytes(s.kv_bytes)}\n"
         text.append_text(Text.assemble("KV ", (bar(fraction, BAR_WIDTH), "magenta"), kv))
+        if s.state_bytes:  # linear-attention layers: one recurrent state, the same on every rank
+            text.append(f"state {human_bytes(s.state_bytes)}\n", "cyan")
         if s.state == "failed" and s.error:
             text.append(s.error, "red")
         else:

@@ -103,6 +103,7 @@ class RingPanel(VerticalGroup):
     mode: reactive[str] = reactive("auto")
     transport: reactive[str] = reactive("")
     choice: reactive[AlgorithmChoice | None] = reactive(None)
+    linear: reactive[str] = reactive("")  # how the last prefill ran the linear-attention layers, if any
     shown: reactive[str] = reactive("auto")  # the algorithm the panel names
 
     def __init__(self, **kwargs) -> None:
@@ -125,6 +126,9 @@ class RingPanel(VerticalGroup):
         self._refresh_text()
 
     def watch_transport(self) -> None:
+        self._refresh_text()
+
+    def watch_linear(self) -> None:
         self._refresh_text()
 
     def show_pass(self, pass_name: str, steps: list[RingStep]) -> None:
@@ -161,4 +165,6 @@ class RingPanel(VerticalGroup):
                 link = human_bytes(choice.link_bytes_per_s)
                 reason.append(f"link {link}/s · hop {choice.hop_latency_ms:.1f}"
                               f" · exch {choice.exchange_latency_ms:.1f} ms", "dim")
+        if self.linear:
+            reason.append(f"\n{self.linear}", "italic")
         self.query_one("#ring-reason", Static).update(reason)

@@ -1,0 +1,333 @@
+"""Linear-attention and state-space layers (Gated DeltaNet, Mamba-2) across ranks, exactly.
+
+Such a layer projects its input, runs a short causal convolution (kernel K) over
+it, and carries a recurrent state through the sequence. The model's own layer
+runs unchanged; three hooks make it context-parallel:
+
+- `StateCache` stands in for the layer's ArraysCache: it hands out no state, so
+  the layer builds its convolution from zeros and passes the recurrence none.
+- `HaloMixer`, mixed into every module with a Conv1d that takes a cache, puts
+  in front of each row the layer inputs at the K-1 positions before it (the
+  halo: from the ranks that hold them in prefill, from the `StateStore` in
+  decode and across turns) and masks those that do not exist, so the
+  convolution sees what it would in one sequence; it cuts them off the output.
+- the recurrence itself (mlx-lm's `gated_delta_update`, `ssm_update`, as every
+  model module binds it) is wrapped: in prefill each row (a chunk of the
+  sequence) runs from a zero state and from the identity state, the chunks'
+  transforms are all-gathered and folded in order, and each row adds its true
+  start state (`cpchat.core.recurrence` has the math); in decode every rank
+  runs the new token from the stored state, as mlx-lm does.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from cpchat.core.recurrence import add_start_state, fold, identity_state
+from cpchat.core.sharding import head_tail_layout
+from cpchat.protocol import cpchat_pb2 as pb
+from cpchat.rank.fit import UnsupportedModel, mix_in
+from cpchat.rank.wire import BlockKey, block_nbytes
+
+if TYPE_CHECKING:
+    from cpchat.rank.context_parallel import RingPass
+
+
+@dataclass(frozen=True)
+class Recurrence:
+    """How one of mlx-lm's recurrence functions takes its arguments."""
+
+    value: str  # the per-token input the state accumulates; zero in the run that finds P and r
+    state: str
+    mask: str
+    output_like: str  # the argument whose dtype the output takes
+    float32: tuple[str, ...]  # cast up so the outputs stay float32 until the start state is added
+
+
+RECURRENCES = {
+    "gated_delta_update": Recurrence("v", "state", "mask", output_like="q", float32=("q", "k", "v")),
+    "ssm_update": Recurrence("hidden_states", "state", "mask", output_like="hidden_states",
+                             float32=("hidden_states",)),
+}
+
+
+@dataclass
+class _Call:
+    cache: StateCache
+    halo: int
+
+
+_active: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("linear_layer", default=None)
+
+
+class StateCache:
+    """The cache object a linear layer sees: no state of its own (the hooks keep it)."""
+
+    lengths = None
+
+    def __init__(self, ring_pass: RingPass, layer: int) -> None:
+        self.ring_pass, self.layer = ring_pass, layer
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __getitem__(self, index: int) -> None:
+        if _active.get() is None:
+            raise UnsupportedModel(f"layer {self.layer} reads its recurrent state outside a module with a "
+                                   "short convolution cpchat recognises")
+        return None
+
+    def __setitem__(self, index: int, value) -> None:
+        pass  # the hooks store the state and the halo
+
+    def advance(self, n: int) -> None:
+        pass
+
+    def make_mask(self, *args, **kwargs) -> None:
+        return None
+
+
+class HaloMixer:
+    """Mixed into a linear layer's module: runs it over [halo, row] with the halo masked where it
+    does not exist, and returns the rows' outputs only."""
+
+    def __call__(self, *args, **kwargs):
+        bound = inspect.signature(super().__call__).bind(*args, **kwargs)
+        cache = bound.arguments.get("cache")
+        if not isinstance(cache, StateCache):
+            return super().__call__(*args, **kwargs)
+        first = next(iter(bound.arguments))
+        halo = _kernel(self) - 1
+        x, mask = halo_rows(cache.ring_pass, cache.layer, bound.arguments[first], halo)
+        bound.arguments[first], bound.arguments["mask"] = x, mask
+        token = _active.set(_Call(cache, halo))
+        try:
+            out = super().__call__(*bound.args, **bound.kwargs)
+        finally:
+            _active.reset(token)
+        return out[:, halo:]
+
+
+def _kernel(module: nn.Module) -> int:
+    return next(c for c in module.children().values() if isinstance(c, nn.Conv1d)).weight.shape[1]
+
+
+def adapt(model: nn.Module) -> None:
+    """Mix HaloMixer into every module that runs a Conv1d child and takes a mask and a cache."""
+    for _, module in model.named_modules():
+        if any(isinstance(c, nn.Conv1d) for c in module.children().values()):
+            params = inspect.signature(type(module).__call__).parameters
+            if "cache" in params and "mask" in params:
+                mix_in(module, HaloMixer)
+
+
+def install() -> None:
+    """Wrap mlx-lm's recurrence functions in every loaded model module that binds them. Idempotent;
+    they run unchanged outside a linear layer handed a StateCache."""
+    from mlx_lm.models import gated_delta, ssm
+
+    for source in (gated_delta, ssm):
+        for name in RECURRENCES:
+            original = getattr(source, name, None)
+            if original is None:
+                continue
+            hooked = _hook(name, original)
+            for module_name, module in list(sys.modules.items()):
+                if module_name.startswith("mlx_lm.models.") and module is not source \
+                        and getattr(module, name, None) is original:
+                    setattr(module, name, hooked)
+
+
+def _hook(name: str, original):
+    spec, signature = RECURRENCES[name], inspect.signature(original)
+
+    def recurrence(*args, **kwargs):
+        call = _active.get()
+        if call is None:
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        return run_recurrence(call.cache.ring_pass, call.cache.layer, name, original, spec, bound.arguments,
+                              call.halo)
+
+    recurrence.__wrapped__ = original
+    return recurrence
+
+
+# ---- the halo
+
+
+def halo_rows(rp: RingPass, layer: int, x: mx.array, halo: int) -> tuple[mx.array, mx.array]:
+    """`x` [R, T, D] with each row's halo in front, and the mask of positions that exist [R, halo+T];
+    stores the inputs at the last `halo` positions for the next forward."""
+    stored = rp.states.layer(layer, halo, x)
+    rows, length, dim = x.shape
+    if rp.decoding:
+        ext = mx.concatenate([stored.halo, x], axis=1)
+        real = np.concatenate([stored.halo_real, [True]])
+        rp.states.set(layer, halo=ext[:, ext.shape[1] - halo:], halo_real=real[len(real) - halo:])
+        return ext, mx.array(real[None])
+    timing = rp.step_timing(layer, 0)
+    start, end = rp.start, rp.start + rp.seq_len
+    positions = rp.q_positions.reshape(rows, length)
+    wanted = [list(range(p - halo, p)) for p in positions[:, 0]] + [list(range(end - halo, end))]
+    found = _gather_halo(rp, layer, x.reshape(rows * length, dim), halo, timing)
+    zero = mx.zeros((dim,), x.dtype)
+
+    def vector(p: int) -> mx.array:
+        if p < start:  # the previous forward's inputs (or none, before the conversation began)
+            return stored.halo[0, p - (start - halo)]
+        return found.get(p, zero)
+
+    def real(p: int) -> bool:
+        return stored.halo_real[p - (start - halo)] if p < start else p < end
+
+    halos = [mx.stack([vector(p) for p in ps]) if ps else mx.zeros((0, dim), x.dtype) for ps in wanted]
+    rp.states.set(layer, halo=halos[-1][None], halo_real=np.array([real(p) for p in wanted[-1]], bool))
+    mask = np.array([[real(p) for p in ps] for ps in wanted[:-1]], bool).reshape(rows, halo)
+    ext = mx.concatenate([mx.stack(halos[:-1]), x], axis=1)
+    return ext, mx.array(np.concatenate([mask, rp.real.reshape(rows, length)], axis=1))
+
+
+def _halo_needs(rp: RingPass, rank: int, halo: int) -> set[int]:
+    """Positions of this prompt whose inputs `rank` needs: before each of its rows, and the last ones."""
+    start, n = rp.start, rp.seq_len
+    layout = head_tail_layout(n, rp.ring.size, rank)
+    firsts = [*layout.starts, n]
+    return {start + p for s in firsts for p in range(max(s - halo, 0), min(s, n))}
+
+
+def _gather_halo(rp: RingPass, layer: int, flat: mx.array, halo: int, timing) -> dict[int, mx.array]:
+    """The inputs at every prompt position this rank's halos need, from itself and from the ranks that
+    hold them."""
+    ring, here = rp.ring, rp.q_positions
+    mine = {int(p): i for i, p in enumerate(here) if rp.real[i]}
+    key = BlockKey(rp.request_id, layer, 0, pb.HALO)
+    for rank in ring.peers:
+        send = sorted(_halo_needs(rp, rank, halo) & mine.keys())
+        if send:
+            block = [flat[mx.array([mine[p] for p in send])]]
+            ring.send_all(key, block, [rank])
+            timing.bytes_sent += block_nbytes(block)
+    needs = _halo_needs(rp, ring.rank, halo)
+    found = {p: flat[mine[p]] for p in needs & mine.keys()}
+    for rank in ring.peers:
+        theirs = sorted(needs & set(rp.positions_of(rank)))
+        if theirs:
+            (block,), waited = ring.take(key, rp.abort, rank)
+            timing.wait_ms += 1000 * waited
+            found.update(zip(theirs, block))
+    return found
+
+
+# ---- the recurrence
+
+
+def run_recurrence(rp: RingPass, layer: int, name: str, original, spec: Recurrence, args: dict, halo: int):
+    """The layer's recurrence over this rank's rows (the halo positions skipped), as over one sequence."""
+    rp.recurrences.append((layer, name))
+    value = args[spec.value]
+    rows, total = value.shape[:2]
+    args = _per_token(args, rows, total, lambda a: a[:, halo:])
+    args[spec.mask] = None  # positions past the prompt are cut off each row instead
+    stored = rp.states.layers[layer]
+    if rp.decoding:
+        y, state = original(**{**args, spec.state: stored.state})
+        rp.states.set(layer, state=state)
+        return _pad_front(y, halo), state
+
+    timing = rp.step_timing(layer, 1)
+    t0 = time.perf_counter()
+    length = total - halo
+    real = rp.real.reshape(rows, length).sum(axis=1).tolist()
+    chunks = [_chunk_index(rp, int(p)) for p in rp.q_positions.reshape(rows, length)[:, 0]]
+    runs = {}  # chunk -> (y0, r, P, Q), for rows that hold prompt tokens
+    for row, (chunk, n) in enumerate(zip(chunks, real)):
+        if n:
+            row_args = _per_token(args, rows, length, lambda a, row=row, n=n: a[row:row + 1, :n])
+            first = chunk == 0 and stored.state is None  # starts from no state: needs no P or r
+            runs[chunk] = _run_chunk(original, spec, row_args, first)
+    mx.eval([a for run in runs.values() for a in run if a is not None])
+    timing.compute_ms += 1000 * (time.perf_counter() - t0)
+
+    timing = rp.step_timing(layer, 2)
+    transforms = _all_gather_transforms(rp, layer, {c: run[2:] for c, run in runs.items()}, timing)
+    t0 = time.perf_counter()
+    order = sorted(transforms)
+    starts, final = fold(stored.state, [transforms[c] for c in order])
+    start_of = dict(zip(order, starts))
+    like = args[spec.output_like].dtype  # what mlx-lm's run returns
+    ys = []
+    for chunk in chunks:
+        if chunk not in runs:  # a row past the end of the prompt
+            ys.append(mx.zeros((1, total, *value.shape[2:]), like))
+            continue
+        y0, r = runs[chunk][:2]
+        y = y0 if start_of[chunk] is None else add_start_state(y0, r, start_of[chunk])
+        ys.append(mx.pad(y.astype(like), [(0, 0), (halo, length - y.shape[1]), (0, 0), (0, 0)]))
+    y = mx.concatenate(ys)
+    rp.states.set(layer, state=final)
+    mx.eval(y, final)
+    timing.compute_ms += 1000 * (time.perf_counter() - t0)
+    if rp.on_layer is not None:
+        rp.on_layer(layer)
+    return y, final
+
+
+def _per_token(args: dict, rows: int, length: int, cut) -> dict:
+    """`args` with `cut` applied to each per-token argument ([rows, length, ...])."""
+    return {k: cut(v) if isinstance(v, mx.array) and v.ndim >= 2 and v.shape[:2] == (rows, length) else v
+            for k, v in args.items()}
+
+
+def _run_chunk(original, spec: Recurrence, args: dict, first: bool):
+    """(y0, r, P, Q) of one chunk: from a zero state, and (unless it is the first of the conversation)
+    with zero inputs from the identity state."""
+    args = {k: (v.astype(mx.float32) if k in spec.float32 else v) for k, v in args.items()}
+    y0, q = original(**{**args, spec.state: None})
+    if first:
+        return y0, None, None, q
+    value = args[spec.value]
+    dim = q.shape[-1]
+    zero = mx.zeros((*value.shape[:-1], dim), value.dtype)
+    r, p = original(**{**args, spec.value: zero, spec.state: identity_state(1, q.shape[1], dim)})
+    return y0, r, p, q
+
+
+def _chunk_index(rp: RingPass, row_start: int) -> int:
+    return (row_start - rp.start) // rp.chunk
+
+
+def _all_gather_transforms(rp: RingPass, layer: int, mine: dict, timing) -> dict:
+    """Every chunk's (P, Q), from every rank. A P that was not needed travels as an empty array."""
+    ring = rp.ring
+    if ring.size == 1:
+        return mine
+    key = BlockKey(rp.request_id, layer, 0, pb.STATE)
+    empty = mx.zeros((0,), mx.float32)
+    block = [mx.array(sorted(mine), mx.int32)]
+    for c in sorted(mine):
+        p, q = mine[c]
+        block += [q, empty if p is None else p]
+    ring.send_all(key, block, ring.peers)
+    timing.bytes_sent += block_nbytes(block) * len(ring.peers)
+    found = dict(mine)
+    for rank in ring.peers:
+        theirs, waited = ring.take(key, rp.abort, rank)
+        timing.wait_ms += 1000 * waited
+        for i, c in enumerate(np.asarray(theirs[0]).tolist()):
+            q, p = theirs[1 + 2 * i], theirs[2 + 2 * i]
+            found[c] = (None if p.size == 0 else p, q)
+    return found
+
+
+def _pad_front(y: mx.array, n: int) -> mx.array:
+    return mx.pad(y, [(0, 0), (n, 0)] + [(0, 0)] * (y.ndim - 2))

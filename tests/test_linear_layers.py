@@ -1,0 +1,145 @@
+"""Hybrid models with linear-attention or state-space layers (Qwen3-Next and Qwen3.5's Gated
+DeltaNet, Nemotron-H's Mamba-2) through real ranks: each rank runs its chunks of the sequence from
+a zero and an identity state, the chunks' transforms are all-gathered and folded, convolution halos
+cross between ranks, and the answer is mlx-lm's own (tokens, and logprobs within 1e-3), for 1 to 4
+ranks, prompts of 1 token, of lengths that 2N does not divide, and of ~2K tokens, over several turns."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import (
+    done_event,
+    low_precision_noise,
+    next_turn,
+    prefill_event,
+    random_prompt,
+    raw_session,
+    reference_generate,
+    run_raw,
+)
+from test_exactness import assert_same
+
+from cpchat.core.recurrence import add_start_state, fold, identity_state
+from cpchat.smallmodels import convert_model
+
+HYBRIDS = ("qwen3_next", "qwen3_5", "nemotron_h")
+MAX_TOKENS = 6
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_hybrid_matches_mlx_lm(clusters, model_dir, arch, ranks):
+    """Every rank count, a prompt of one token (most ranks hold only padding), one that 2N does not
+    divide, and one whose chunks are longer than the convolution's halo."""
+    path = model_dir(arch)
+    cluster = clusters.get(ranks, path)
+    for length in (1, 2 * ranks + 1, 37):
+        ids = random_prompt(path, length, seed=length)
+        cluster.reset(0)
+        got, events, _ = run_raw(cluster, path, ids, "auto", MAX_TOKENS)
+        assert_same(got, reference_generate(path, ids, MAX_TOKENS))
+    assert "linear" in prefill_event(events).linear_layers
+    assert len({r.state_bytes for r in done_event(events).ranks}) == 1  # the same state on every rank
+    assert done_event(events).ranks[0].state_bytes > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])
+def test_a_long_prompt_through_four_ranks(clusters, model_dir, arch):
+    path = model_dir(arch)
+    cluster = clusters.get(4, path)
+    ids = random_prompt(path, 2000, seed=5)
+    got, _, _ = run_raw(cluster, path, ids, "auto", MAX_TOKENS)
+    assert_same(got, reference_generate(path, ids, MAX_TOKENS))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+def test_turns_go_on_from_the_stored_state(clusters, model_dir, arch):
+    """Three turns through 3 ranks: each later turn prefills only its new tokens, from the state the
+    ranks kept, and equals mlx-lm over the whole history. A turn that rewrites the last answer goes back
+    to the state at the end of the last prompt (where the ranks kept one), and is exact too."""
+    path = model_dir(arch)
+    cluster = clusters.get(3, path)
+    session = raw_session(cluster, path, "auto", MAX_TOKENS)
+    history: list[int] = []
+    for turn, (length, algorithm) in enumerate(zip((40, 9, 1), ("pass_kv", "ulysses", "auto"), strict=True)):
+        session.algorithm = algorithm
+        new = random_prompt(path, length, seed=400 + turn)
+        got, events = next_turn(session, new)
+        assert prefill_event(events).cached_tokens == max(len(history) - 1, 0)  # not the last answer token
+        history += new
+        assert_same(got, reference_generate(path, history, MAX_TOKENS))
+        prompt_end = len(history)
+        history += [t for t, _ in got]
+    assert prompt_end in session.state_positions
+    rewritten = history[: prompt_end + 2] + random_prompt(path, 4, seed=9)
+    events = list(session._generate(rewritten))
+    assert prefill_event(events).cached_tokens == prompt_end
+    assert_same([(e.id, e.logprob) for e in events if hasattr(e, "logprob")],
+                reference_generate(path, rewritten, MAX_TOKENS))
+
+
+@pytest.mark.parametrize("form", ["bfloat16", "q4g64"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])  # qwen3_next: MLX's CPU has float32 experts only
+def test_low_precision_hybrids(clusters, model_dir, tmp_path_factory, arch, form):
+    """Converted with mlx_lm.convert as people get them: greedy tokens identical to mlx-lm on the same
+    checkpoint, logprobs within 1.5x of mlx-lm's own low-precision noise, through 2 and 3 ranks."""
+    path = convert_model(model_dir(arch), tmp_path_factory.mktemp("converted") / form, form)
+    ids = random_prompt(path, 45, seed=3)
+    expected = reference_generate(path, ids, MAX_TOKENS)
+    noise = low_precision_noise(path, ids, expected)
+    for ranks in (2, 3):
+        got, _, _ = run_raw(clusters.get(ranks, path), path, ids, "auto", MAX_TOKENS)
+        assert [t for t, _ in got] == [t for t, _ in expected]
+        worst = max(abs(a - b) for (_, a), (_, b) in zip(got, expected, strict=True))
+        assert worst <= 1.5 * noise, f"logprobs off by {worst:.4f}; mlx-lm's own noise is {noise:.4f}"
+
+
+def _chunks_joined(run, value: str, args: dict, start: mx.array, cuts: list[int]):
+    """Run `run` over the whole sequence from `start`, and over chunks joined by fold/add_start_state."""
+    whole_y, whole_state = run(**args, state=start)
+    length = args[value].shape[1]
+    bounds = [0, *cuts, length]
+    transforms, runs = [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        chunk = {k: (v[:, lo:hi] if isinstance(v, mx.array) and v.ndim >= 2 and v.shape[1] == length else v)
+                 for k, v in args.items()}
+        y0, q = run(**chunk, state=None)
+        dim = q.shape[-1]
+        zero = mx.zeros((*chunk[value].shape[:-1], dim))
+        r, p = run(**{**chunk, value: zero}, state=identity_state(1, q.shape[1], dim))
+        transforms.append((p, q))
+        runs.append((y0, r))
+    starts, state = fold(start, transforms)
+    y = mx.concatenate([add_start_state(y0, r, s) for (y0, r), s in zip(runs, starts)], axis=1)
+    return (whole_y, whole_state), (y, state)
+
+
+@pytest.mark.parametrize("recurrence", ["gated_delta", "ssm"])
+def test_chunk_transforms_fold_to_the_whole_sequence(recurrence):
+    """The math the ranks rely on, on mlx-lm's own recurrences: chunks run from zero and identity
+    states, folded in order from a nonzero start state, give the whole run's outputs and final state."""
+    from mlx_lm.models.gated_delta import gated_delta_update
+    from mlx_lm.models.ssm import ssm_update
+
+    rng = np.random.default_rng(0)
+
+    def normal(*shape, scale=1.0):
+        return mx.array(rng.normal(size=shape).astype(np.float32) * scale)
+
+    t, heads = 23, 4
+    if recurrence == "gated_delta":
+        run, value = gated_delta_update, "v"
+        args = dict(q=normal(1, t, 2, 8, scale=0.3), k=normal(1, t, 2, 8, scale=0.3),
+                    v=normal(1, t, heads, 6), a=normal(1, t, heads), b=normal(1, t, heads),
+                    A_log=normal(heads, scale=0.5), dt_bias=normal(heads))
+        start = normal(1, heads, 6, 8)
+    else:
+        run, value = ssm_update, "hidden_states"
+        args = dict(hidden_states=normal(1, t, heads, 6), A_log=normal(heads, scale=0.5),
+                    B=normal(1, t, 2, 8), C=normal(1, t, 2, 8), D=normal(heads), dt=normal(1, t, heads),
+                    dt_bias=normal(heads))
+        start = normal(1, heads, 6, 8)
+    (whole_y, whole_state), (y, state) = _chunks_joined(run, value, args, start, cuts=[5, 6, 17])
+    assert np.allclose(np.asarray(y), np.asarray(whole_y), atol=1e-4)
+    assert np.allclose(np.asarray(state), np.asarray(whole_state), atol=1e-4)
+    assert not np.allclose(np.asarray(start), np.asarray(whole_state), atol=1e-2)  # the state moved
