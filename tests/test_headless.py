@@ -238,13 +238,13 @@ def test_unreachable_rank_exits_3(model_dir):
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
-    """qwen3_next (Gated DeltaNet layers) loads in mlx-lm but does not run context-parallel yet: it is
-    refused, saying why."""
+    """A model of Mamba-2 layers only (no attention layer) loads in mlx-lm but not in cpchat, which runs
+    hybrids: it is refused, saying why."""
     from cpchat.smallmodels import write_model
 
-    path = write_model(tmp_path / "hybrid", "qwen3_next")
+    path = write_model(tmp_path / "mamba", "nemotron_h", overrides={"hybrid_override_pattern": ["M", "-"]})
     result = run(["--headless", "--model", str(path), "--prompt", "hi", "--ranks", "2"], timeout=90)
-    one_line_error(result, 2, "qwen3_next: layer 0 (Qwen3NextDecoderLayer) keeps its state in ArraysCache")
+    one_line_error(result, 2, "nemotron_h: no layer attends over keys and values")
     assert "not supported for context parallelism" in result.stderr
 
 
