@@ -120,6 +120,21 @@ def test_follow_up_turns_prefill_only_new_tokens(clusters, model_dir, algorithm)
         history += [t for t, _ in tokens]
 
 
+def test_a_turn_that_rewrites_history_keeps_the_common_prefix(clusters, model_dir):
+    """An edited conversation keeps whatever prefix the ranks hold in common with it (here ending inside
+    the first prompt), drops the rest, and equals one single-process run."""
+    path = model_dir("qwen3")
+    cluster = clusters.get(3, path)
+    session = raw_session(cluster, path, "auto", 6)
+    first = random_prompt(path, 60, seed=7)
+    next_turn(session, first)
+    edited = first[:23] + random_prompt(path, 9, seed=8)
+    events = list(session._generate(edited))
+    assert prefill_event(events).cached_tokens == 23
+    got = [(e.id, e.logprob) for e in events if hasattr(e, "logprob")]
+    assert_same(got, reference_generate(path, edited, 6))
+
+
 @pytest.mark.parametrize("ranks", [3, 4])
 def test_turns_mix_every_algorithm(clusters, model_dir, ranks):
     """A pass-KV first turn, an all-gather second, a Ulysses third and a pass-Q fourth share one

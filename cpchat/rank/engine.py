@@ -217,7 +217,7 @@ class Engine:
     def reset(self, keep_tokens: int = 0) -> None:
         self._check_keep(keep_tokens)
         self.kv.truncate(keep_tokens)
-        if keep_tokens != self.total_tokens:
+        if self.info.linear and keep_tokens != self.total_tokens:  # _check_keep: a snapshot holds it
             self.states.restore(keep_tokens)
         self.total_tokens = keep_tokens
         if keep_tokens == 0:
