@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from cpchat.core.attention import add_sink, merge_partials, partial_attention
-from cpchat.core.sharding import head_split, head_tail_positions
+from cpchat.core.sharding import head_split
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.fit import AttentionCall, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
@@ -80,10 +80,6 @@ class RingPass:
     @property
     def chunk(self) -> int:
         return len(self.q_positions) // 2  # prefill: two rows, a head and a tail chunk
-
-    def positions_of(self, rank: int) -> list[int]:
-        """Global positions of the new tokens `rank` holds in this prefill."""
-        return [self.start + p for p in head_tail_positions(self.seq_len, self.ring.size, rank)]
 
     # ---- the two hooks the model calls
 

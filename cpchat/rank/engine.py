@@ -386,8 +386,8 @@ class Engine:
                 self._forget_outside_windows(prompt_end, rollback_to=start)
             source = owner_of(len(req.tokens) - 1, len(req.tokens), ring.size)
             token, logprob = self._agree(req, ring, abort, source, 0, logits)
-            combine_ms = sum(t.wait_ms + t.compute_ms for t in self.last_timings
-                             if t.layer in self.info.linear and t.step != 1)
+            combine_ms = sum(t.wait_ms + t.compute_ms for t in self.last_timings  # what the ring added
+                             if t.layer in self.info.linear and t.step != linear_layers.RUN_STEP)
             emit(pb.GenerateEvent(prefill=pb.PrefillDone(ms=1000 * (time.perf_counter() - t0),
                                                          linear_layers=self.linear_summary(ring.size),
                                                          state_combine_ms=combine_ms)))

@@ -22,6 +22,7 @@ runs unchanged; three hooks make it context-parallel:
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import sys
 import time
@@ -40,6 +41,10 @@ from cpchat.rank.wire import BlockKey, block_nbytes
 
 if TYPE_CHECKING:
     from cpchat.rank.context_parallel import RingPass
+
+
+# A linear layer's ring steps in prefill: the halo exchange, its chunks' own runs, and the state combine.
+HALO_STEP, RUN_STEP, COMBINE_STEP = range(3)
 
 
 @dataclass(frozen=True)
@@ -175,7 +180,7 @@ def halo_rows(rp: RingPass, layer: int, x: mx.array, halo: int) -> tuple[mx.arra
         real = np.concatenate([stored.halo_real, [True]])
         rp.states.set(layer, halo=ext[:, ext.shape[1] - halo:], halo_real=real[len(real) - halo:])
         return ext, mx.array(real[None])
-    timing = rp.step_timing(layer, 0)
+    timing = rp.step_timing(layer, HALO_STEP)
     start, end = rp.start, rp.start + rp.seq_len
     positions = rp.q_positions.reshape(rows, length)
     wanted = [list(range(p - halo, p)) for p in positions[:, 0]] + [list(range(end - halo, end))]
@@ -197,34 +202,49 @@ def halo_rows(rp: RingPass, layer: int, x: mx.array, halo: int) -> tuple[mx.arra
     return ext, mx.array(np.concatenate([mask, rp.real.reshape(rows, length)], axis=1))
 
 
-def _halo_needs(rp: RingPass, rank: int, halo: int) -> set[int]:
-    """Positions of this prompt whose inputs `rank` needs: before each of its rows, and the last ones."""
-    start, n = rp.start, rp.seq_len
-    layout = head_tail_layout(n, rp.ring.size, rank)
-    firsts = [*layout.starts, n]
-    return {start + p for s in firsts for p in range(max(s - halo, 0), min(s, n))}
+@dataclass(frozen=True)
+class HaloPlan:
+    """Whose inputs go where in one prefill's halo exchange (the same for every linear layer)."""
+
+    sends: tuple[tuple[int, tuple[int, ...]], ...]  # (rank, this rank's flattened row indices it needs)
+    takes: tuple[tuple[int, tuple[int, ...]], ...]  # (rank, the positions it sends here)
+    local: tuple[tuple[int, int], ...]  # (position, flattened row index) this rank needs from itself
+
+
+@functools.lru_cache(maxsize=16)
+def halo_plan(start: int, n: int, size: int, me: int, halo: int) -> HaloPlan:
+    """The exchange for a prompt of `n` tokens from `start` over `size` ranks: each rank needs the inputs
+    at the `halo` positions before each of its rows, and at the last `halo` of the prompt."""
+
+    def needs(rank: int) -> set[int]:
+        firsts = [*head_tail_layout(n, size, rank).starts, n]
+        return {start + p for s in firsts for p in range(max(s - halo, 0), min(s, n))}
+
+    def held(rank: int) -> dict[int, int]:
+        return {start + p: i for i, p in enumerate(head_tail_layout(n, size, rank).positions()) if p < n}
+
+    mine, wanted = held(me), needs(me)
+    peers = [r for r in range(size) if r != me]
+    sends = ((r, tuple(mine[p] for p in sorted(needs(r) & mine.keys()))) for r in peers)
+    takes = ((r, tuple(sorted(wanted & held(r).keys()))) for r in peers)
+    return HaloPlan(tuple((r, i) for r, i in sends if i), tuple((r, p) for r, p in takes if p),
+                    tuple((p, mine[p]) for p in sorted(wanted & mine.keys())))
 
 
 def _gather_halo(rp: RingPass, layer: int, flat: mx.array, halo: int, timing) -> dict[int, mx.array]:
     """The inputs at every prompt position this rank's halos need, from itself and from the ranks that
     hold them."""
-    ring, here = rp.ring, rp.q_positions
-    mine = {int(p): i for i, p in enumerate(here) if rp.real[i]}
+    plan = halo_plan(rp.start, rp.seq_len, rp.ring.size, rp.ring.rank, halo)
     key = BlockKey(rp.request_id, layer, 0, pb.HALO)
-    for rank in ring.peers:
-        send = sorted(_halo_needs(rp, rank, halo) & mine.keys())
-        if send:
-            block = [flat[mx.array([mine[p] for p in send])]]
-            ring.send_all(key, block, [rank])
-            timing.bytes_sent += block_nbytes(block)
-    needs = _halo_needs(rp, ring.rank, halo)
-    found = {p: flat[mine[p]] for p in needs & mine.keys()}
-    for rank in ring.peers:
-        theirs = sorted(needs & set(rp.positions_of(rank)))
-        if theirs:
-            (block,), waited = ring.take(key, rp.abort, rank)
-            timing.wait_ms += 1000 * waited
-            found.update(zip(theirs, block))
+    for rank, rows in plan.sends:
+        block = [flat[mx.array(rows)]]
+        rp.ring.send_all(key, block, [rank])
+        timing.bytes_sent += block_nbytes(block)
+    found = {p: flat[i] for p, i in plan.local}
+    for rank, positions in plan.takes:
+        (block,), waited = rp.ring.take(key, rp.abort, rank)
+        timing.wait_ms += 1000 * waited
+        found.update(zip(positions, block))
     return found
 
 
@@ -244,7 +264,7 @@ def run_recurrence(rp: RingPass, layer: int, name: str, original, spec: Recurren
         rp.states.set(layer, state=state)
         return _pad_front(y, halo), state
 
-    timing = rp.step_timing(layer, 1)
+    timing = rp.step_timing(layer, RUN_STEP)
     t0 = time.perf_counter()
     length = total - halo
     real = rp.real.reshape(rows, length).sum(axis=1).tolist()
@@ -258,7 +278,7 @@ def run_recurrence(rp: RingPass, layer: int, name: str, original, spec: Recurren
     mx.eval([a for run in runs.values() for a in run if a is not None])
     timing.compute_ms += 1000 * (time.perf_counter() - t0)
 
-    timing = rp.step_timing(layer, 2)
+    timing = rp.step_timing(layer, COMBINE_STEP)
     transforms = _all_gather_transforms(rp, layer, {c: run[2:] for c, run in runs.items()}, timing)
     t0 = time.perf_counter()
     order = sorted(transforms)
