@@ -63,9 +63,12 @@ def model(model_dir) -> Path:
 
 @pytest.fixture
 def make_app(clusters, model, tmp_path) -> Callable[..., CpchatApp]:
-    def make(max_tokens: int = 8, cls: type[CpchatApp] = CpchatApp, **kwargs) -> CpchatApp:
-        cluster = clusters.get(RANKS, model)
-        return cls(Settings(max_tokens=max_tokens, seed=1), cluster=cluster, model_path=str(model),
+    def make(max_tokens: int = 8, cls: type[CpchatApp] = CpchatApp, path: Path | None = None,
+             **kwargs) -> CpchatApp:
+        """An app on the shared cluster of RANKS ranks, with the llama test model or `path` loaded."""
+        path = path or model
+        cluster = clusters.get(RANKS, path)
+        return cls(Settings(max_tokens=max_tokens, seed=1), cluster=cluster, model_path=str(path),
                          transcripts=tmp_path / "transcripts", **kwargs)
 
     return make
@@ -640,22 +643,14 @@ async def test_hub_model_downloads_with_progress_then_answers(model, tmp_path, m
         assert assistant_messages(app) and app.chat.backend.cluster.model.name == "acme/tiny-chat"
 
 
-async def test_a_hybrid_model_shows_its_state_and_how_linear_layers_ran(model_dir, tmp_path):
-    """Qwen3.5's Gated DeltaNet layers through 2 ranks: each Ranks row shows the recurrent state's bytes
+async def test_a_hybrid_model_shows_its_state_and_how_linear_layers_ran(make_app, model_dir):
+    """Qwen3.5's Gated DeltaNet layers through the ranks: each Ranks row shows the recurrent state's bytes
     beside the KV, and the Ring panel says how the linear layers crossed the ring."""
-    path = model_dir("qwen3_5")
-    cluster = Cluster.launch(2)
-    try:
-        cluster.connect()
-        cluster.load(str(path))
-        app = CpchatApp(Settings(max_tokens=4, seed=1), cluster=cluster, model_path=str(path),
-                        transcripts=tmp_path / "transcripts")
-        async with app.run_test(size=SIZE) as pilot:
-            await ready(pilot)
-            await send(pilot, "What is the state of the ring?")
-            rows = list(app.query(RankRow))
-            await until(pilot, lambda: all(r.stats.state_bytes > 0 for r in rows), what="state bytes")
-            assert all("state " in str(r.render()) for r in rows)
-            assert "layers linear (gated_delta_update)" in str(app.query_one("#ring-reason").render())
-    finally:
-        cluster.close()
+    app = make_app(max_tokens=4, path=model_dir("qwen3_5"))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "What is the state of the ring?")
+        rows = list(app.query(RankRow))
+        await until(pilot, lambda: all(r.stats.state_bytes > 0 for r in rows), what="state bytes")
+        assert all("state " in str(r.render()) for r in rows)
+        assert "layers linear (gated_delta_update)" in str(app.query_one("#ring-reason").render())
