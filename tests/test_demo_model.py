@@ -13,7 +13,18 @@ import pytest
 from cpchat.client.events import Token
 from cpchat.client.launcher import rank_environment
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
-from cpchat.demo.data import NOT_FOUND, POSITIONS, make_example, render_user_turn, write_sample_document
+from cpchat.demo.data import (
+    NOT_FOUND,
+    POSITIONS,
+    PROSE_QUESTIONS,
+    answered_value,
+    make_example,
+    make_prose_example,
+    render_user_turn,
+    write_sample_document,
+)
+from cpchat.demo.names import HEADS, Names, pool_of_word
+from cpchat.demo.prose import load_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "assets" / "demo-model"
@@ -54,6 +65,61 @@ def test_position_places_the_first_fact() -> None:
         ex = make_example(random.Random(1), 200, position=position, p_absent=0.0)
         at = ex.doc_text.index(ex.turns[0][1].rstrip(".")[4:]) / len(ex.doc_text)
         assert lo <= at <= hi, (position, at)
+
+
+def test_prose_pools_split_by_source() -> None:
+    train, heldout = load_pool("train"), load_pool("heldout")
+    assert not {s.name for s in train} & {s.name for s in heldout}
+    assert "licence/Apache-2.0" in {s.name for s in heldout}
+    for pool in (train, heldout):  # licences and reference docs in both pools, with plenty of prose
+        assert {s.name.split("/")[0] for s in pool} >= {"licence", "python"}
+    assert sum(s.chars for s in heldout) > 100_000
+    sentences = [x for s in train for p in s.paragraphs for x in p]
+    assert not any("\n" in x or x.startswith(">>>") for x in sentences)
+
+
+def test_held_out_names_use_only_held_out_words() -> None:
+    rng = random.Random(3)
+    seen: dict[str, set[str]] = {}
+    for pool in ("train", "heldout"):
+        names = Names(pool, rng)
+        entities = [names.entity() for _ in range(300)]
+        seen[pool] = set(entities)
+        firsts = [e.split()[0].split("-")[0] for e in entities]
+        firsts += [names.person().split()[-1].split("-")[0] for _ in range(100)]
+        firsts += [a.split()[0] for a, _ in (names.attribute() for _ in range(100)) if a not in HEADS]
+        assert {pool_of_word(w) for w in firsts} == {pool}
+    assert not seen["train"] & seen["heldout"]
+
+
+def test_prose_answers_come_from_the_document() -> None:
+    rng = random.Random(0)
+    absent = tables = 0
+    for _ in range(150):
+        ex = make_prose_example(rng, rng.choice(("train", "heldout")), rng.randint(100, 3000),
+                                n_questions=3, position=rng.choice((None, "start", "middle", "end")))
+        assert answered_value(ex.turns[0][1]) in (NOT_FOUND, ex.facts[0].value)
+        tables += "| Item |" in ex.doc_text
+        for question, answer in ex.turns:
+            if answer == NOT_FOUND:
+                absent += 1
+                assert not any(question.startswith(q.format(attr=f.attribute, ent=f.entity))
+                               for q in PROSE_QUESTIONS for f in ex.facts)
+            else:
+                fact = next(f for f in ex.facts if f.sentence() == answer)
+                assert answered_value(answer) == fact.value
+                paragraphs = [" ".join(s.split()) for s in ex.sentences]  # hard-wrapped or not
+                assert any(fact.value in p and fact.entity in p for p in paragraphs)
+    assert absent > 30 and tables > 5
+    assert make_prose_example(random.Random(4), "heldout", 800) == make_prose_example(
+        random.Random(4), "heldout", 800)
+
+
+def test_answered_value() -> None:
+    assert answered_value("The gate code for the Hollow mill is 7712-MR.") == "7712-MR"
+    assert answered_value("The owner of the Lark pier is Ada Lim.") == "Ada Lim"
+    assert answered_value(NOT_FOUND) == NOT_FOUND
+    assert answered_value("The gate code for the Hollow mill is") is None
 
 
 def test_user_turn_format() -> None:

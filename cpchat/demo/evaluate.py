@@ -18,12 +18,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cpchat.demo.data import NOT_FOUND, make_example, render_user_turn
+from cpchat.demo.data import NOT_FOUND, answered_value, make_example, make_prose_example, render_user_turn
 
 # generate_fn(doc_name, doc_text, question) -> the answer text
 GenerateFn = Callable[[str, str, str], str]
 POSITION_CELLS = ("start", "middle", "end", "absent")
-TOKENS_PER_SENTENCE = 10.7  # measured with the demo tokenizer (train.py prints it); documents are sized by it
+# measured with the demo tokenizers (train.py prints them); documents are sized by them
+TOKENS_PER_SENTENCE = 10.7  # synthetic grammar sentences
+CHARS_PER_TOKEN = 3.55  # real prose
+DATA = ("prose", "synthetic")
 
 
 def mlx_generate_fn(model_path: str | Path, max_tokens: int = 48) -> GenerateFn:
@@ -104,7 +107,7 @@ def evaluate(
     positions: Sequence[str] = POSITION_CELLS,
     n_per_cell: int = 20,
     seed: int = 1234,
-    tokens_per_sentence: float = TOKENS_PER_SENTENCE,
+    data: str = "prose",
     log: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """Run held-out examples; one row per (length, position) with n, correct and accuracy.
@@ -112,23 +115,30 @@ def evaluate(
     `lengths` are approximate prompt lengths in tokens. Position "absent"
     asks about a fact the document does not hold (answer: NOT_FOUND).
     Held-out: the seed differs from training's, and every cell has its own stream.
+    `data` "prose": the held-out prose pool and names never seen in training,
+    scored on the answered value; "synthetic": the grammar documents training
+    also used, scored on the whole answer sentence.
     """
     rows = []
     for length in lengths:
         for position in positions:
             rng = random.Random(f"{seed}-{length}-{position}")
-            n_filler = max(1, round(length / tokens_per_sentence) - 8)
+            n_filler = max(1, round(length / TOKENS_PER_SENTENCE) - 8)
+            n_chars = max(40, round((length - 120) * CHARS_PER_TOKEN))
             correct = 0
             answers = []
             t0 = time.time()
             for _ in range(n_per_cell):
                 absent = position == "absent"
-                ex = make_example(rng, n_filler, position=None if absent else position,
-                                  p_absent=1.0 if absent else 0.0)
+                where, p_absent = (None, 1.0) if absent else (position, 0.0)
+                if data == "prose":
+                    ex = make_prose_example(rng, "heldout", n_chars, position=where, p_absent=p_absent)
+                else:
+                    ex = make_example(rng, n_filler, position=where, p_absent=p_absent)
                 question, answer = ex.turns[0]
                 got = generate_fn(ex.doc_name, ex.doc_text, question).strip()
                 answers.append(got)
-                correct += got == answer
+                correct += answered_value(got) == answered_value(answer) if data == "prose" else got == answer
                 if log and got != answer:
                     log(f"  miss len={length} pos={position}: want {answer!r} got {got!r}")
             row = {"length": length, "position": position, "n": n_per_cell, "correct": correct,
@@ -161,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--positions", default=",".join(POSITION_CELLS))
     ap.add_argument("--n", type=int, default=20, help="examples per (length, position) cell")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--data", choices=DATA, default="prose",
+                    help="held-out prose and names (scored on the value), or the synthetic documents")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--ranks", help="comma-separated rank counts: answer through cpchat's ring, not mlx-lm")
     ap.add_argument("--verbose", action="store_true")
@@ -181,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
             label = f"{ranks} rank" + "s" * (ranks != "1")
             fn, close = ring_generate_fn(args.model, int(ranks))
         try:
-            tables[label] = evaluate(fn, lengths, positions, args.n, args.seed, log=log)
+            tables[label] = evaluate(fn, lengths, positions, args.n, args.seed, args.data, log=log)
         finally:
             if close:
                 close()

@@ -3,13 +3,15 @@
     python -m cpchat.demo.train --out assets/demo-model
 
 A small llama learns to answer questions about an attached document from
-generated examples (cpchat.demo.data), with loss on the answer tokens. Learn to
+generated examples (cpchat.demo.data: facts about open-ended names in real
+prose, and some synthetic documents), with loss on the answer tokens. Learn to
 copy first (`--p-copy 1.0` on short rows): retrieval is built from copy
 (induction) heads, and they form far sooner on plain copying than inside the
 task; then continue (`--init`) on the questions. The model card in
 assets/demo-model has the exact phases.
-Training runs in PyTorch on the CPU (faster per step than MLX there) and the
-result is saved as an mlx-lm model directory.
+Training runs in PyTorch on the CPU (faster per step than MLX there; `pip
+install torch`, not a dependency of cpchat) and the result is saved as an
+mlx-lm model directory.
 
 Length generalisation: retrieval must work far past the training length, so
 (1) rope_theta is large, leaving most rotary frequencies nearly still,
@@ -29,6 +31,7 @@ import random
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpchat.demo.data import make_example, render_document, tokenizer_corpus
+from cpchat.demo.data import make_example, make_prose_example, render_document, tokenizer_corpus
 from cpchat.smallmodels import EOS_TOKEN, SPECIAL_TOKENS, model_config, train_tokenizer, vocab_size_index
 
 
@@ -145,6 +148,14 @@ class Llama(nn.Module):
 
 
 # ---------------------------------------------------------------- data
+@dataclass(frozen=True)
+class Sizes:
+    """How much text makes a token, measured with the tokenizer: documents are sized by it."""
+
+    tokens_per_sentence: float  # synthetic grammar sentences
+    chars_per_token: float  # real prose
+
+
 class Encoder:
     """Turns an Example into token ids, a loss mask (answer tokens) and gap points for PoSE."""
 
@@ -196,10 +207,12 @@ class Encoder:
 
 
 def make_batch(rng: random.Random, enc: Encoder, n_tokens: int, max_len: int, pos_span: int,
-               p_pose: float, tok_per_sentence: float, max_questions: int = 4, max_facts: int = 6,
-               min_len: int = 96, p_copy: float = 0.0, p_absent: float = 0.15):
+               p_pose: float, sizes: Sizes, max_questions: int = 4, max_facts: int = 6,
+               min_len: int = 96, p_copy: float = 0.0, p_absent: float = 0.15, p_synthetic: float = 0.0):
     """A batch of examples of similar length, about `n_tokens` tokens in all.
 
+    A question-answering row is a document of training-pool prose with facts about open-ended
+    names, or with probability `p_synthetic` one of the synthetic grammar documents.
     With probability `p_copy` a row is instead a random token string said twice, with loss on
     the repeat: the plainest signal for the copy (induction) heads retrieval is built from.
     """
@@ -211,11 +224,18 @@ def make_batch(rng: random.Random, enc: Encoder, n_tokens: int, max_len: int, po
             seqs.append((*copy_row(rng, enc, target), False))
             continue
         n_facts = rng.randint(1, max_facts)
+        synthetic = rng.random() < p_synthetic
         while True:
             # the document holds the facts too: size the filler so that at least the first answer fits
-            n_filler = max(1, int(rng.uniform(0.7, 1.0) * target / tok_per_sentence) - 8 - n_facts)
+            share = rng.uniform(0.7, 1.0) * target
             n_questions = rng.randint(1, min(max_questions, n_facts + 1))  # few repeated questions
-            ex = make_example(rng, n_filler, n_facts=n_facts, n_questions=n_questions, p_absent=p_absent)
+            if synthetic:
+                n_filler = max(1, int(share / sizes.tokens_per_sentence) - 8 - n_facts)
+                ex = make_example(rng, n_filler, n_facts=n_facts, n_questions=n_questions, p_absent=p_absent)
+            else:
+                n_chars = max(40, int((share - 60 - 25 * n_facts) * sizes.chars_per_token))
+                ex = make_prose_example(rng, "train", n_chars, n_facts=n_facts, n_questions=n_questions,
+                                        p_absent=p_absent)
             ids, mask, gaps = enc.encode(ex)
             ends = [i + 1 for i in range(min(len(ids), max_len))
                     if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
@@ -331,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --adaptive-cap: start with at most this many facts, doubling when solved")
     ap.add_argument("--min-len", type=int, default=96, help="shortest training sequence (tokens)")
     ap.add_argument("--p-absent", type=float, default=0.15, help="share of questions whose answer is absent")
+    ap.add_argument("--p-synthetic", type=float, default=0.0,
+                    help="share of question rows from the synthetic grammar documents (the rest: real prose)")
     ap.add_argument("--p-copy", type=float, default=0.0, help="share of rows that train plain copying")
     ap.add_argument("--context-loss", type=float, default=0.0,
                     help="weight of the loss on the document and question tokens (0: answers only)")
@@ -355,13 +377,17 @@ def main(argv: list[str] | None = None) -> None:
                                 digit_group=args.digit_group)
     enc = Encoder(tok_dir / "tokenizer.json")
     check_rng = random.Random(args.seed + 1)
-    lengths = []
+    per_sentence, per_char = [], []
     for _ in range(50):
         ex = make_example(check_rng, 40, n_questions=3)
         enc.check(ex)
-        lengths.append(sum(len(enc.ids(s)) for s in ex.sentences) / len(ex.sentences))
-    tok_per_sentence = float(np.mean(lengths))
-    print(f"vocab {vocab}, {tok_per_sentence:.1f} tokens per sentence", flush=True)
+        per_sentence.append(sum(len(enc.ids(s)) for s in ex.sentences) / len(ex.sentences))
+        ex = make_prose_example(check_rng, "train", 3000, n_questions=3)
+        enc.check(ex)
+        per_char.append(len(ex.doc_text) / len(enc.ids(ex.doc_text)))
+    sizes = Sizes(float(np.mean(per_sentence)), float(np.mean(per_char)))
+    print(f"vocab {vocab}, {sizes.tokens_per_sentence:.1f} tokens per synthetic sentence, "
+          f"{sizes.chars_per_token:.2f} characters per token of prose", flush=True)
 
     cfg = model_config("llama", vocab, args.hidden, args.layers, args.heads, args.kv_heads, args.ff,
                        tie_embeddings=bool(args.tie), rope_theta=args.rope_theta)
@@ -405,8 +431,8 @@ def main(argv: list[str] | None = None) -> None:
                 cap = min(args.max_len, int(cap * 1.25))
             hist_em.clear()
         ids, mask, pos, qa, lengths = make_batch(rng, enc, args.batch_tokens, cap, args.pos_span,
-                                                 args.p_pose, tok_per_sentence, args.max_questions, facts,
-                                                 args.min_len, args.p_copy, args.p_absent)
+                                                 args.p_pose, sizes, args.max_questions, facts,
+                                                 args.min_len, args.p_copy, args.p_absent, args.p_synthetic)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         # no draw at 1.0: the data stream, and so the earlier phases, stay reproducible
