@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import random
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cpchat.demo.prose import Source
 
 NOT_FOUND = "The document does not say."
 POSITIONS = ("start", "middle", "end")
@@ -363,13 +368,12 @@ DOC_NAMES = ("{w}.txt", "{w}.md", "notes-{n}.txt", "{w}-{n}.txt", "README", "LIC
 def fact_block(rng: random.Random, facts: list[Fact]) -> str:
     """Several facts as a Markdown list or table, a paragraph of their own."""
     if rng.random() < 0.5:
-        return "\n".join(f"- {f.attribute[0].upper() + f.attribute[1:]} for the {f.entity}: {f.value}"
-                         for f in facts)
+        return "\n".join(f"- {_capitalised(f.attribute)} for the {f.entity}: {f.value}" for f in facts)
     rows = "\n".join(f"| {f.entity} | {f.attribute} | {f.value} |" for f in facts)
     return f"| Item | Detail | Value |\n|---|---|---|\n{rows}"
 
 
-def draw_prose(rng: random.Random, sources, n_chars: int) -> list[list[str]]:
+def draw_prose(rng: random.Random, sources: Sequence[Source], n_chars: int) -> list[list[str]]:
     """Paragraphs of consecutive sentences from random sources, about `n_chars` characters in all."""
     weights = [s.chars for s in sources]
     paragraphs: list[list[str]] = []
@@ -411,6 +415,7 @@ def make_prose_example(
     names = Names(pool, rng)
     n_facts = n_facts if n_facts is not None else rng.randint(1, 6)
     facts: list[Fact] = []
+    keys: set[tuple[str, str]] = set()
     kinds: dict[str, str] = {}
     while len(facts) < n_facts:
         if facts and rng.random() < 0.5:  # a distractor sharing the entity or the attribute
@@ -421,8 +426,9 @@ def make_prose_example(
                 ent, attr, kind = names.entity(), base.attribute, kinds[base.attribute]
         else:
             ent, (attr, kind) = names.entity(), names.attribute()
-        if any(f.entity == ent and f.attribute == attr for f in facts):
+        if (ent, attr) in keys:
             continue
+        keys.add((ent, attr))
         kinds[attr] = kind
         facts.append(Fact(ent, attr, names.value(kind)))
 
@@ -439,23 +445,22 @@ def make_prose_example(
     by_spot: dict[tuple[int, int], list[Fact]] = {}
     for fact, spot in zip(facts, spots):
         by_spot.setdefault(spot, []).append(fact)
-    blocks: dict[tuple[int, int], list[str]] = {}
+    blocks: dict[tuple[int, int], str] = {}  # a list or table: a paragraph of its own
+    sentences: dict[tuple[int, int], list[str]] = {}
     for spot, group in by_spot.items():
         if (len(group) > 1 or rng.random() < 0.15) and rng.random() < 0.5:
-            blocks[spot] = ["\x00" + fact_block(rng, group)]
+            blocks[spot] = fact_block(rng, group)
         else:
-            blocks[spot] = [_prose_fact(rng, f) for f in group]
+            sentences[spot] = [_prose_fact(rng, f) for f in group]
     text: list[str] = []
     for p, para in enumerate(paragraphs):
         out: list[str] = []
         for i in range(len(para) + 1):
-            for piece in blocks.get((p, i), []):
-                if piece.startswith("\x00"):  # a block is a paragraph of its own
-                    text.extend(_join(out, first=not text))
-                    text.append(("\n\n" if text else "") + piece[1:])
-                    out = []
-                else:
-                    out.append(piece)
+            if (p, i) in blocks:
+                text.extend(_join(out, first=not text))
+                text.append(("\n\n" if text else "") + blocks[p, i])
+                out = []
+            out.extend(sentences.get((p, i), []))
             if i < len(para):
                 out.append(para[i])
         text.extend(_join(out, first=not text))
@@ -473,7 +478,7 @@ def make_prose_example(
                 base = rng.choice(facts)
                 ent, attr = (base.entity, names.attribute()[0]) if rng.random() < 0.5 else \
                     (names.entity(), base.attribute)
-                if not any(f.entity == ent and f.attribute == attr for f in facts):
+                if (ent, attr) not in keys:
                     break
             turns.append((_prose_question(rng, attr, ent), NOT_FOUND))
         else:
@@ -498,9 +503,13 @@ def _join(sentences: list[str], first: bool) -> list[str]:
 
 
 def _prose_fact(rng: random.Random, fact: Fact) -> str:
-    template = rng.choice(PROSE_FACTS)
-    attr = fact.attribute
-    return template.format(attr=attr, Attr=attr[0].upper() + attr[1:], ent=fact.entity, val=fact.value)
+    return rng.choice(PROSE_FACTS).format(attr=fact.attribute, Attr=_capitalised(fact.attribute),
+                                          ent=fact.entity, val=fact.value)
+
+
+def _capitalised(words: str) -> str:
+    """The first letter up, the rest as it is ("PIN code" stays, where str.capitalize lowers it)."""
+    return words[:1].upper() + words[1:]
 
 
 def _prose_question(rng: random.Random, attr: str, ent: str) -> str:

@@ -138,8 +138,9 @@ def evaluate(
                 question, answer = ex.turns[0]
                 got = generate_fn(ex.doc_name, ex.doc_text, question).strip()
                 answers.append(got)
-                correct += answered_value(got) == answered_value(answer) if data == "prose" else got == answer
-                if log and got != answer:
+                right = answered_value(got) == answered_value(answer) if data == "prose" else got == answer
+                correct += right
+                if log and not right:
                     log(f"  miss len={length} pos={position}: want {answer!r} got {got!r}")
             row = {"length": length, "position": position, "n": n_per_cell, "correct": correct,
                    "accuracy": correct / n_per_cell, "seconds": round(time.time() - t0, 1)}

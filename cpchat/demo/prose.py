@@ -14,7 +14,6 @@ import ast
 import gzip
 import inspect
 import re
-import sys
 import zlib
 from dataclasses import dataclass
 from functools import cache
@@ -119,4 +118,4 @@ if __name__ == "__main__":  # the pools' sizes by style: python -m cpchat.demo.p
         styles: dict[str, list[int]] = {}
         for s in sources:
             styles.setdefault(s.name.split("/")[0], []).append(s.chars)
-        print(pool, {k: (len(v), sum(v)) for k, v in styles.items()}, file=sys.stdout)
+        print(pool, {k: (len(v), sum(v)) for k, v in styles.items()})
