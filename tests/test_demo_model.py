@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from cpchat.client.events import Token
-from cpchat.client.launcher import rank_environment
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.demo.data import (
     NOT_FOUND,
@@ -23,7 +22,7 @@ from cpchat.demo.data import (
     render_user_turn,
     write_sample_document,
 )
-from cpchat.demo.names import HEADS, Names, pool_of_word
+from cpchat.demo.names import HEADS, Names, kind_of, pool_of_word
 from cpchat.demo.prose import load_pool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +91,19 @@ def test_held_out_names_use_only_held_out_words() -> None:
     assert not seen["train"] & seen["heldout"]
 
 
+def test_near_names_keep_the_kind() -> None:
+    """A near miss ("backup code" for "gate code", "Iron mill" for "Hollow mill") differs from its
+    name and keeps its kind, so that only the modifier or the name tells them apart."""
+    names = Names("heldout", random.Random(3))
+    for _ in range(200):
+        attr, kind = names.attribute()
+        near, near_kind = names.attribute(like=attr)
+        assert near != attr and near_kind == kind == kind_of(near)
+        entity = names.entity()
+        other = names.entity(like=entity)
+        assert other != entity and other.split()[-1] == entity.split()[-1]
+
+
 def test_prose_answers_come_from_the_document() -> None:
     rng = random.Random(0)
     absent = tables = 0
@@ -135,13 +147,12 @@ def test_sample_document_is_reproducible(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def sample_answers() -> list[str]:
-    """Greedy mlx-lm answers about the sample document, from a child process with the ranks' fast
-    BLAS where installed (the wheel's reference BLAS makes the prefill ~30x slower)."""
-    env = rank_environment()
+    """Greedy mlx-lm answers about the sample document, from a child process (evaluate runs with the
+    ranks' fast BLAS where installed)."""
     cmd = [sys.executable, "-m", "cpchat.demo.evaluate", "--model", str(MODEL), "--ask-doc", str(SAMPLE_DOC)]
     for question, _ in SAMPLE_QA:
         cmd += ["--question", question]
-    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.splitlines()[-1])
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cpchat.demo.names import Names, kind_of
+
 if TYPE_CHECKING:
     from cpchat.demo.prose import Source
 
@@ -409,28 +411,21 @@ def make_prose_example(
     probability `p_wrapped` the text is hard-wrapped, as plain-text files are.
     Names and values use only words of the same pool (cpchat.demo.names).
     """
-    from cpchat.demo.names import Names
     from cpchat.demo.prose import load_pool
 
     names = Names(pool, rng)
     n_facts = n_facts if n_facts is not None else rng.randint(1, 6)
     facts: list[Fact] = []
     keys: set[tuple[str, str]] = set()
-    kinds: dict[str, str] = {}
     while len(facts) < n_facts:
         if facts and rng.random() < 0.5:  # a distractor sharing the entity or the attribute
-            base = rng.choice(facts)
-            if rng.random() < 0.5:
-                ent, (attr, kind) = base.entity, names.attribute()
-            else:
-                ent, attr, kind = names.entity(), base.attribute, kinds[base.attribute]
+            ent, attr = _near_key(rng, names, rng.choice(facts))
         else:
-            ent, (attr, kind) = names.entity(), names.attribute()
+            ent, attr = names.entity(), names.attribute()[0]
         if (ent, attr) in keys:
             continue
         keys.add((ent, attr))
-        kinds[attr] = kind
-        facts.append(Fact(ent, attr, names.value(kind)))
+        facts.append(Fact(ent, attr, names.value(kind_of(attr))))
 
     paragraphs = draw_prose(rng, load_pool(pool), n_chars)
     boundaries = [(p, i) for p, para in enumerate(paragraphs) for i in range(len(para) + 1)]
@@ -475,9 +470,7 @@ def make_prose_example(
     for q in range(n_questions):
         if rng.random() < p_absent:
             while True:
-                base = rng.choice(facts)
-                ent, attr = (base.entity, names.attribute()[0]) if rng.random() < 0.5 else \
-                    (names.entity(), base.attribute)
+                ent, attr = _near_key(rng, names, rng.choice(facts))
                 if (ent, attr) not in keys:
                     break
             turns.append((_prose_question(rng, attr, ent), NOT_FOUND))
@@ -488,11 +481,22 @@ def make_prose_example(
     return Example(name, text, turns, facts, pos)
 
 
+def _near_key(rng: random.Random, names: Names, fact: Fact) -> tuple[str, str]:
+    """An (entity, attribute) that shares the entity or the attribute with `fact`, half the time
+    with the other one a near miss: the same kind ("Iron mill" for "Hollow mill") or the same
+    head noun ("backup code" for "gate code"), which only a name or modifier tells apart."""
+    near = rng.random() < 0.5
+    if rng.random() < 0.5:
+        return fact.entity, names.attribute(like=fact.attribute if near else None)[0]
+    return names.entity(like=fact.entity if near else None), fact.attribute
+
+
 def wrapped(rng: random.Random, text: str) -> list[str]:
     """`text` with its prose paragraphs hard-wrapped (lists and tables kept), one piece per paragraph."""
     width, indent = rng.randint(60, 80), rng.choice(("", "", "   "))
-    paragraphs = [p if p.startswith(("|", "- ")) else textwrap.fill(p, width, initial_indent=indent,
-                                                                     subsequent_indent=indent)
+    paragraphs = [p if p.startswith(("|", "- ")) else  # lines break at spaces only, as fmt and editors do
+                  textwrap.fill(p, width, initial_indent=indent, subsequent_indent=indent,
+                                break_on_hyphens=False, break_long_words=False)
                   for p in text.split("\n\n")]
     return [("\n\n" + p if i else p.lstrip()) for i, p in enumerate(paragraphs)]  # as render_document
 

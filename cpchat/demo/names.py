@@ -84,6 +84,16 @@ def pool_of_word(word: str) -> str:
     return "heldout" if zlib.crc32(word.lower().encode()) % 4 == 0 else "train"
 
 
+def _ending(name: str, words: tuple[str, ...]) -> str:
+    """The longest of `words` that `name` ends with as whole words ("room number", not "number")."""
+    return max((w for w in words if name == w or name.endswith(" " + w)), key=len)
+
+
+def kind_of(attribute: str) -> str:
+    """The kind of value an attribute takes, from its head noun: "gate code" -> code."""
+    return HEADS[_ending(attribute, tuple(HEADS))]
+
+
 class Names:
     """Random names and values whose every word lies in one pool ("train" or "heldout")."""
 
@@ -107,34 +117,41 @@ class Names:
             if len(w) >= 3 and pool_of_word(w) == self.pool:
                 return w.capitalize() if capital else w
 
-    def entity(self) -> str:
-        """An entity as it follows "the": "Hollow mill", "Vorkesta relay", "Old Tarn Brook archive"."""
+    def entity(self, like: str | None = None) -> str:
+        """An entity as it follows "the": "Hollow mill", "Vorkesta relay", "Old Tarn Brook archive".
+        With `like`, another of the same kind ("Iron mill" for "Hollow mill")."""
         rng = self.rng
-        r = rng.random()
-        if r < 0.35:
-            name = self.word()
-        elif r < 0.6:
-            name = self._pick(NAME_WORDS)
-        elif r < 0.8:
-            name = f"{self._pick(NAME_WORDS)} {self.word()}"
-        elif r < 0.9:
-            name = f"{self.word()} {self.word()}"
-        else:
-            name = f"{self.word()}-{rng.randint(1, 99)}"
-        return f"{name} {self._pick(KINDS)}"
+        kind = _ending(like, KINDS) if like else self._pick(KINDS)
+        while True:
+            r = rng.random()
+            if r < 0.35:
+                name = self.word()
+            elif r < 0.6:
+                name = self._pick(NAME_WORDS)
+            elif r < 0.8:
+                name = f"{self._pick(NAME_WORDS)} {self.word()}"
+            elif r < 0.9:
+                name = f"{self.word()} {self.word()}"
+            else:
+                name = f"{self.word()}-{rng.randint(1, 99)}"
+            if f"{name} {kind}" != like:
+                return f"{name} {kind}"
 
-    def attribute(self) -> tuple[str, str]:
-        """(attribute name, kind of value): "gate code" -> code."""
+    def attribute(self, like: str | None = None) -> tuple[str, str]:
+        """(attribute name, kind of value): "gate code" -> code. With `like`, another with the same
+        head noun ("backup code" for "gate code"), which only the modifier tells apart."""
         rng = self.rng
-        head = rng.choice(tuple(HEADS))  # plain nouns shared by both pools; the modifiers are not
-        r = rng.random()
-        if r < 0.35:
-            name = head
-        elif r < 0.85:
-            name = f"{self._pick(MODIFIERS)} {head}"
-        else:
-            name = f"{self.word(capital=False)} {head}"
-        return name, HEADS[head]
+        head = _ending(like, tuple(HEADS)) if like else rng.choice(tuple(HEADS))  # shared by both pools
+        while True:
+            r = rng.random()
+            if r < 0.35:
+                name = head
+            elif r < 0.85:
+                name = f"{self._pick(MODIFIERS)} {head}"
+            else:
+                name = f"{self.word(capital=False)} {head}"
+            if name != like:
+                return name, HEADS[head]
 
     def person(self) -> str:
         rng = self.rng
