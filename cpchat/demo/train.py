@@ -223,7 +223,7 @@ def make_batch(rng: random.Random, enc: Encoder, n_tokens: int, max_len: int, po
         if rng.random() < p_copy:
             seqs.append((*copy_row(rng, enc, target), False))
             continue
-        n_facts = rng.randint(1, max_facts)
+        n_facts = rng.randint(1, max(1, min(max_facts, target // 50)))  # ~50 tokens a fact and its question
         synthetic = rng.random() < p_synthetic
         while True:
             # the document holds the facts too: size the filler so that at least the first answer fits
