@@ -110,6 +110,13 @@ def preload_environment(choice: str, env: dict[str, str] | None = None) -> dict[
     return env
 
 
+def rerun_preloaded(module: str, argv: list[str], env: dict[str, str]) -> None:
+    """Re-execute `python -m module *argv` in `env`, unless this process already has its preload."""
+    if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+
+
 def in_use() -> BlasInfo:
     """The library that really serves MLX's cblas_sgemm in this process."""
     import mlx.core  # noqa: F401  (libmlx must be loaded for its own dependency to show)

@@ -93,10 +93,7 @@ def is_loopback(host: str) -> bool:
 
 def use_blas(choice: str, argv: list[str]) -> None:
     """Re-execute this rank with the chosen BLAS preloaded, unless it already is (see cpchat/blas.py)."""
-    env = blas.preload_environment(choice)
-    if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "cpchat", "rank", *argv], env)
+    blas.rerun_preloaded("cpchat", ["rank", *argv], blas.preload_environment(choice))
 
 
 def run_rank(argv: list[str]) -> int:

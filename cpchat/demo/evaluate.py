@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
@@ -167,16 +166,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _rerun_with_fast_blas(argv: list[str]) -> None:
-    """Run again with the BLAS the ranks get, where this process lacks it: mlx-lm in this process
-    would otherwise use the wheel's reference BLAS, which makes a prefill about 30x slower."""
-    from cpchat.client.launcher import rank_environment
-
-    env = rank_environment()
-    if env.get("LD_PRELOAD", "") != os.environ.get("LD_PRELOAD", ""):
-        os.execve(sys.executable, [sys.executable, "-m", "cpchat.demo.evaluate", *argv], env)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="assets/demo-model")
@@ -192,7 +181,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ask-doc", type=Path, help="instead: answer --question(s) about this file, print JSON")
     ap.add_argument("--question", action="append", default=[])
     args = ap.parse_args(argv)
-    _rerun_with_fast_blas(sys.argv[1:] if argv is None else argv)
+    # mlx-lm in this process would otherwise multiply with the wheel's reference BLAS (~30x slower)
+    from cpchat.blas import rerun_preloaded
+    from cpchat.client.launcher import rank_environment
+
+    rerun_preloaded("cpchat.demo.evaluate", sys.argv[1:] if argv is None else argv, rank_environment())
     if args.ask_doc:
         doc = args.ask_doc
         print(json.dumps(answer_questions(args.model, doc.name, doc.read_text(), args.question)))

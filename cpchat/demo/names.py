@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from collections.abc import Iterable
 
 ONSETS = ("b", "br", "c", "ch", "d", "dr", "f", "fl", "g", "gr", "h", "j", "k", "kr", "l", "m", "n", "p",
           "pr", "qu", "r", "s", "sh", "sk", "st", "t", "th", "tr", "v", "w", "y", "z", "", "", "")
@@ -84,14 +85,14 @@ def pool_of_word(word: str) -> str:
     return "heldout" if zlib.crc32(word.lower().encode()) % 4 == 0 else "train"
 
 
-def _ending(name: str, words: tuple[str, ...]) -> str:
+def _ending(name: str, words: Iterable[str]) -> str:
     """The longest of `words` that `name` ends with as whole words ("room number", not "number")."""
     return max((w for w in words if name == w or name.endswith(" " + w)), key=len)
 
 
 def kind_of(attribute: str) -> str:
     """The kind of value an attribute takes, from its head noun: "gate code" -> code."""
-    return HEADS[_ending(attribute, tuple(HEADS))]
+    return HEADS[_ending(attribute, HEADS)]
 
 
 class Names:
@@ -141,7 +142,7 @@ class Names:
         """(attribute name, kind of value): "gate code" -> code. With `like`, another with the same
         head noun ("backup code" for "gate code"), which only the modifier tells apart."""
         rng = self.rng
-        head = _ending(like, tuple(HEADS)) if like else rng.choice(tuple(HEADS))  # shared by both pools
+        head = _ending(like, HEADS) if like else rng.choice(tuple(HEADS))  # shared by both pools
         while True:
             r = rng.random()
             if r < 0.35:
