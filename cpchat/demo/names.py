@@ -140,9 +140,12 @@ class Names:
 
     def attribute(self, like: str | None = None) -> tuple[str, str]:
         """(attribute name, kind of value): "gate code" -> code. With `like`, another with the same
-        head noun ("backup code" for "gate code"), which only the modifier tells apart."""
+        head noun ("backup code" for "gate code"), which only the modifier tells apart, or a third
+        of the time another head of the same kind ("password" for "access code")."""
         rng = self.rng
         head = _ending(like, HEADS) if like else rng.choice(tuple(HEADS))  # shared by both pools
+        if like and rng.random() < 1 / 3:
+            head = rng.choice([h for h in HEADS if HEADS[h] == HEADS[head]])
         while True:
             r = rng.random()
             if r < 0.35:

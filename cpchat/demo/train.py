@@ -308,6 +308,8 @@ def save(model: Llama, tok_dir: Path, out: Path, meta: dict) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok_dir / name, tmp / name)
     weights = {k: mx.array(v.detach().float().numpy()) for k, v in model.state_dict().items()}
+    if not all(mx.isfinite(w).all().item() for w in weights.values()):
+        raise SystemExit(f"not saving {out}: the weights are not finite")
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
     (tmp / "config.json").write_text(json.dumps(model.cfg, indent=2))
     (tmp / "training.json").write_text(json.dumps(meta, indent=2))
@@ -442,14 +444,17 @@ def main(argv: list[str] | None = None) -> None:
                                                           args.context_loss, temp)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        hist_loss.append(qa_loss.item())
-        hist_all.append(loss.item())
-        if not qa.all():
-            hist_copy.append(copy_loss.item())
-        if em.numel():
-            hist_em.append(em.mean().item())
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if torch.isfinite(loss) and torch.isfinite(norm):
+            opt.step()
+            hist_loss.append(qa_loss.item())
+            hist_all.append(loss.item())
+            if not qa.all():
+                hist_copy.append(copy_loss.item())
+            if em.numel():
+                hist_em.append(em.mean().item())
+        else:  # a bfloat16 overflow once turned a whole run to NaN: drop the step, keep the weights
+            print(f"step {step + 1}: loss or gradient not finite, step skipped", flush=True)
         if args.time_steps and step + 1 - args.start_step >= args.time_steps:
             print(f"{(time.time() - t0) / (step + 1 - args.start_step):.3f} s/step at cap {cap}", flush=True)
             return
