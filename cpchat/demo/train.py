@@ -147,6 +147,25 @@ class Llama(nn.Module):
         return x @ self.model.embed_tokens.weight.T if self.tied else self.lm_head(x)
 
 
+def deepened(weights: dict[str, torch.Tensor], model: Llama) -> dict[str, torch.Tensor]:
+    """`weights` of a shallower model spread over `model`'s layers, the new layers in between starting
+    as identities (their residual outputs zero), so the deeper model first computes what the old one did."""
+    old = 1 + max(int(k.split(".")[2]) for k in weights if k.startswith("model.layers."))
+    new = len(model.model.layers)
+    if new == old:
+        return weights
+    slot = {round(i * new / old): i for i in range(old)}  # new layer index -> old layer index
+    out = {k: v for k, v in weights.items() if not k.startswith("model.layers.")}
+    for k, v in model.state_dict().items():
+        if k.startswith("model.layers."):
+            j, rest = int(k.split(".")[2]), k.split(".", 3)[3]
+            if j in slot:
+                out[k] = weights[f"model.layers.{slot[j]}.{rest}"]
+            else:
+                out[k] = torch.zeros_like(v) if rest.endswith(("o_proj.weight", "down_proj.weight")) else v
+    return out
+
+
 # ---------------------------------------------------------------- data
 @dataclass(frozen=True)
 class Sizes:
@@ -398,8 +417,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.init:
         import mlx.core as mx
 
-        weights = mx.load(str(args.init / "model.safetensors"))
-        model.load_state_dict({k: torch.tensor(np.array(v)) for k, v in weights.items()})
+        saved = mx.load(str(args.init / "model.safetensors"))
+        weights = {k: torch.tensor(np.array(v)) for k, v in saved.items()}
+        model.load_state_dict(deepened(weights, model))
         print(f"continuing from {args.init} at step {args.start_step}", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{n_params / 1e6:.2f}M parameters", flush=True)
