@@ -16,6 +16,7 @@ from cpchat.demo.data import (
     NOT_FOUND,
     POSITIONS,
     PROSE_QUESTIONS,
+    absent_answer,
     answered_value,
     make_example,
     make_prose_example,
@@ -116,7 +117,7 @@ def test_prose_answers_come_from_the_document() -> None:
         assert answered_value(ex.turns[0][1]) in (NOT_FOUND, ex.facts[0].value)
         tables += "| Item |" in ex.doc_text
         for question, answer in ex.turns:
-            if answer == NOT_FOUND:
+            if answered_value(answer) == NOT_FOUND:
                 absent += 1
                 assert not any(question.startswith(q.format(attr=f.attribute, ent=f.entity))
                                for q in PROSE_QUESTIONS for f in ex.facts)
@@ -134,6 +135,7 @@ def test_answered_value() -> None:
     assert answered_value("The gate code for the Hollow mill is 7712-MR.") == "7712-MR"
     assert answered_value("The owner of the Lark pier is Ada Lim.") == "Ada Lim"
     assert answered_value(NOT_FOUND) == NOT_FOUND
+    assert answered_value(absent_answer("backup code", "Hollow mill")) == NOT_FOUND
     assert answered_value("The gate code for the Hollow mill is") is None
 
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from cpchat.demo.prose import Source
 
 NOT_FOUND = "The document does not say."
+ABSENT_TAIL = " is not in the document."  # prose answers restate the key first: see absent_answer
 POSITIONS = ("start", "middle", "end")
 
 NAMES = (
@@ -407,7 +408,7 @@ def make_prose_example(
     """A document of real prose from `pool` ("train" or "heldout") with facts about open-ended names.
 
     Facts come in several phrasings, some as a list or a table; the answer is
-    always "The {attribute} for the {entity} is {value}.", or NOT_FOUND. With
+    always "The {attribute} for the {entity} is {value}.", or absent_answer(). With
     probability `p_wrapped` the text is hard-wrapped, as plain-text files are.
     Names and values use only words of the same pool (cpchat.demo.names).
     """
@@ -473,7 +474,7 @@ def make_prose_example(
                 ent, attr = _near_key(rng, names, rng.choice(facts))
                 if (ent, attr) not in keys:
                     break
-            turns.append((_prose_question(rng, attr, ent), NOT_FOUND))
+            turns.append((_prose_question(rng, attr, ent), absent_answer(attr, ent)))
         else:
             fact = asked[q % len(asked)]
             turns.append((_prose_question(rng, fact.attribute, fact.entity), fact.sentence()))
@@ -520,9 +521,16 @@ def _prose_question(rng: random.Random, attr: str, ent: str) -> str:
     return rng.choice(PROSE_QUESTIONS).format(attr=attr, ent=ent) + rng.choice(QUESTION_TAILS)
 
 
+def absent_answer(attribute: str, entity: str) -> str:
+    """The answer when the document lacks the fact. It restates the key, as a found fact's answer
+    does, so the model decides "absent" after reading the key back, not at the answer's second token."""
+    return f"The {attribute} for the {entity}{ABSENT_TAIL}"
+
+
 def answered_value(answer: str) -> str | None:
-    """The value in an answer "The {attribute} for the {entity} is {value}." (None: not that form)."""
-    if answer == NOT_FOUND:
+    """The value in an answer "The {attribute} for the {entity} is {value}." (None: not that form);
+    NOT_FOUND for either way of saying the document lacks it."""
+    if answer == NOT_FOUND or answer.endswith(ABSENT_TAIL):
         return NOT_FOUND
     head, sep, value = answer.partition(" is ")
     return value[:-1] if sep and head.startswith("The ") and value.endswith(".") else None
