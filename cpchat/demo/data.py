@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from cpchat.demo.prose import Source
 
 NOT_FOUND = "The document does not say."
-ABSENT_TAIL = " is not in the document."  # prose answers restate the key first: see absent_answer
+ABSENT_VALUE = "not in the document"  # prose answers restate the key first: see absent_answer
 POSITIONS = ("start", "middle", "end")
 
 NAMES = (
@@ -524,13 +524,13 @@ def _prose_question(rng: random.Random, attr: str, ent: str) -> str:
 def absent_answer(attribute: str, entity: str) -> str:
     """The answer when the document lacks the fact. It restates the key, as a found fact's answer
     does, so the model decides "absent" after reading the key back, not at the answer's second token."""
-    return f"The {attribute} for the {entity}{ABSENT_TAIL}"
+    return Fact(entity, attribute, ABSENT_VALUE).sentence()
 
 
 def answered_value(answer: str) -> str | None:
     """The value in an answer "The {attribute} for the {entity} is {value}." (None: not that form);
     NOT_FOUND for either way of saying the document lacks it."""
-    if answer == NOT_FOUND or answer.endswith(ABSENT_TAIL):
+    if answer == NOT_FOUND or answer.endswith(f" is {ABSENT_VALUE}."):
         return NOT_FOUND
     head, sep, value = answer.partition(" is ")
     return value[:-1] if sep and head.startswith("The ") and value.endswith(".") else None
