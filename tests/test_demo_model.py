@@ -23,7 +23,7 @@ from cpchat.demo.data import (
     render_user_turn,
     write_sample_document,
 )
-from cpchat.demo.names import HEADS, Names, kind_of, pool_of_word
+from cpchat.demo.names import HEADS, KINDS, MADE_UP_KINDS, Names, kind_of, pool_of_word
 from cpchat.demo.prose import load_pool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +106,21 @@ def test_near_names_keep_the_kind() -> None:
         other = names.entity(like=entity)
         assert other != entity and other.split()[-1] == entity.split()[-1]
     assert 30 < other_heads < 120
+
+
+def test_training_entities_have_made_up_kinds() -> None:
+    """Some training entities end in a made-up kind ("the Iron drelk"), which their near misses keep;
+    held-out entities keep the listed kinds, so the held-out stream does not change."""
+    listed = tuple(" " + k for k in KINDS)
+    for pool, share in (("train", MADE_UP_KINDS), ("heldout", 0.0)):
+        names = Names(pool, random.Random(5))
+        made_up = 0
+        for _ in range(400):
+            entity = names.entity()
+            made_up += not entity.endswith(listed)
+            near = names.entity(like=entity)
+            assert near != entity and near.split()[-1] == entity.split()[-1]
+        assert abs(made_up / 400 - share) < 0.07, (pool, made_up)
 
 
 def test_prose_answers_come_from_the_document() -> None:

@@ -77,6 +77,7 @@ PLACE_FORMS = ("{a}", "{a}", "Port {a}", "North {a}", "{a}-on-{b}", "Lake {a}", 
                "{a} Heights", "New {a}", "{a}ton", "{a}by")
 COMPANY_FORMS = ("{a} Ltd", "{a} Inc.", "{a} & {b}", "{a} Labs", "{a} Works", "{a} Group", "{a}{b} GmbH",
                  "{a} and Sons", "{a} Trading", "{a} Systems")
+MADE_UP_KINDS = 0.3  # share of training entities whose kind is a made-up word (Names.entity)
 UNITS = ("kg", "m", "km", "cm", "tonnes", "metres", "degrees", "litres", "miles", "feet")
 LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
 
@@ -85,9 +86,9 @@ def pool_of_word(word: str) -> str:
     return "heldout" if zlib.crc32(word.lower().encode()) % 4 == 0 else "train"
 
 
-def _ending(name: str, words: Iterable[str]) -> str:
+def _ending(name: str, words: Iterable[str], default: str | None = None) -> str:
     """The longest of `words` that `name` ends with as whole words ("room number", not "number")."""
-    return max((w for w in words if name == w or name.endswith(" " + w)), key=len)
+    return max((w for w in words if name == w or name.endswith(" " + w)), key=len, default=default)
 
 
 def kind_of(attribute: str) -> str:
@@ -120,9 +121,20 @@ class Names:
 
     def entity(self, like: str | None = None) -> str:
         """An entity as it follows "the": "Hollow mill", "Vorkesta relay", "Old Tarn Brook archive".
-        With `like`, another of the same kind ("Iron mill" for "Hollow mill")."""
+        With `like`, another of the same kind ("Iron mill" for "Hollow mill").
+
+        A share of training entities have a made-up kind ("the Iron drelk"): the listed kinds of the
+        training pool are few enough to learn by heart, while a held-out entity's kind is a word
+        training never saw, which the model must copy piece by piece ("forge" is " for" "ge").
+        Held-out entities keep listed kinds (the stream, and so the evaluation, is unchanged).
+        """
         rng = self.rng
-        kind = _ending(like, KINDS) if like else self._pick(KINDS)
+        if like:
+            kind = _ending(like, KINDS, default=like.rpartition(" ")[2])
+        elif self.pool == "train" and rng.random() < MADE_UP_KINDS:
+            kind = self.word(capital=False)
+        else:
+            kind = self._pick(KINDS)
         while True:
             r = rng.random()
             if r < 0.35:
