@@ -86,8 +86,9 @@ def pool_of_word(word: str) -> str:
     return "heldout" if zlib.crc32(word.lower().encode()) % 4 == 0 else "train"
 
 
-def _ending(name: str, words: Iterable[str], default: str | None = None) -> str:
-    """The longest of `words` that `name` ends with as whole words ("room number", not "number")."""
+def _ending(name: str, words: Iterable[str], default: str = "") -> str:
+    """The longest of `words` that `name` ends with as whole words ("room number", not "number"),
+    or `default` if none."""
     return max((w for w in words if name == w or name.endswith(" " + w)), key=len, default=default)
 
 
