@@ -43,6 +43,7 @@ KINDS = (
     "server", "cluster", "repository", "newsletter", "festival", "conference", "workshop series",
     "shipment", "order", "ticket", "case",
 )
+MADE_UP_KINDS = 0.3  # share of training entities whose kind is a made-up word (Names.entity)
 MODIFIERS = (
     "gate", "access", "main", "backup", "night", "spare", "billing", "emergency", "service", "door", "alarm",
     "safe", "entry", "staff", "visitor", "guest", "admin", "delivery", "shipping", "support", "booking",
@@ -77,7 +78,6 @@ PLACE_FORMS = ("{a}", "{a}", "Port {a}", "North {a}", "{a}-on-{b}", "Lake {a}", 
                "{a} Heights", "New {a}", "{a}ton", "{a}by")
 COMPANY_FORMS = ("{a} Ltd", "{a} Inc.", "{a} & {b}", "{a} Labs", "{a} Works", "{a} Group", "{a}{b} GmbH",
                  "{a} and Sons", "{a} Trading", "{a} Systems")
-MADE_UP_KINDS = 0.3  # share of training entities whose kind is a made-up word (Names.entity)
 UNITS = ("kg", "m", "km", "cm", "tonnes", "metres", "degrees", "litres", "miles", "feet")
 LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
 
