@@ -18,6 +18,7 @@ from cpchat.demo.data import (
     PROSE_QUESTIONS,
     absent_answer,
     answered_value,
+    blurred,
     make_example,
     make_prose_example,
     render_user_turn,
@@ -136,14 +137,28 @@ def test_prose_answers_come_from_the_document() -> None:
                 absent += 1
                 assert not any(question.startswith(q.format(attr=f.attribute, ent=f.entity))
                                for q in PROSE_QUESTIONS for f in ex.facts)
+                attr, ent = answer.removeprefix("The ").split(" is ")[0].split(" for the ")
+                assert not any(blurred((ent, attr), (f.entity, f.attribute)) for f in ex.facts), answer
             else:
                 fact = next(f for f in ex.facts if f.sentence() == answer)
                 assert answered_value(answer) == fact.value
                 paragraphs = [" ".join(s.split()) for s in ex.sentences]  # hard-wrapped or not
                 assert any(fact.value in p and fact.entity in p for p in paragraphs)
+        keys = [(f.entity, f.attribute) for f in ex.facts]
+        assert not any(blurred(a, b) for i, a in enumerate(keys) for b in keys[i + 1:]), keys
     assert absent > 30 and tables > 5
     assert make_prose_example(random.Random(4), "heldout", 800) == make_prose_example(
         random.Random(4), "heldout", 800)
+
+
+def test_keys_a_reader_would_take_for_each_other() -> None:
+    """Only a differing modifier, head or name tells two keys apart; one part that merely lacks the
+    other's first words ("extension" beside "skat extension") does not."""
+    assert blurred(("Hollow mill", "extension"), ("Hollow mill", "skat extension"))
+    assert blurred(("Cuget yard", "gate code"), ("Thunder Cuget yard", "gate code"))
+    assert not blurred(("Hollow mill", "gate code"), ("Hollow mill", "backup code"))
+    assert not blurred(("Hollow mill", "code"), ("Iron mill", "gate code"))
+    assert not blurred(("Hollow mill", "password"), ("Hollow mill", "access code"))
 
 
 def test_answered_value() -> None:

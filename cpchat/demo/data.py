@@ -417,15 +417,15 @@ def make_prose_example(
     names = Names(pool, rng)
     n_facts = n_facts if n_facts is not None else rng.randint(1, 6)
     facts: list[Fact] = []
-    keys: set[tuple[str, str]] = set()
+    keys: list[tuple[str, str]] = []
     while len(facts) < n_facts:
         if facts and rng.random() < 0.5:  # a distractor sharing the entity or the attribute
             ent, attr = _near_key(rng, names, rng.choice(facts))
         else:
             ent, attr = names.entity(), names.attribute()[0]
-        if (ent, attr) in keys:
+        if any(blurred((ent, attr), key) for key in keys):
             continue
-        keys.add((ent, attr))
+        keys.append((ent, attr))
         facts.append(Fact(ent, attr, names.value(kind_of(attr))))
 
     paragraphs = draw_prose(rng, load_pool(pool), n_chars)
@@ -472,7 +472,7 @@ def make_prose_example(
         if rng.random() < p_absent:
             while True:
                 ent, attr = _near_key(rng, names, rng.choice(facts))
-                if (ent, attr) not in keys:
+                if not any(blurred((ent, attr), key) for key in keys):
                     break
             turns.append((_prose_question(rng, attr, ent), absent_answer(attr, ent)))
         else:
@@ -490,6 +490,14 @@ def _near_key(rng: random.Random, names: Names, fact: Fact) -> tuple[str, str]:
     if rng.random() < 0.5:
         return fact.entity, names.attribute(like=fact.attribute if near else None)[0]
     return names.entity(like=fact.entity if near else None), fact.attribute
+
+
+def blurred(key: tuple[str, str], other: tuple[str, str]) -> bool:
+    """Whether a reader could take one (entity, attribute) key for the other: in each part the
+    same words, or one the other with words in front. Asked for "the extension" of a case whose
+    "skat extension" the document gives, a reader answers with it: such a pair is neither a
+    distractor nor an absent fact, and only keys that differ in a modifier, a head or a name are."""
+    return all(a == b or a.endswith(" " + b) or b.endswith(" " + a) for a, b in zip(key, other))
 
 
 def wrapped(rng: random.Random, text: str) -> list[str]:
