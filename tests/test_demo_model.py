@@ -25,7 +25,7 @@ from cpchat.demo.data import (
     write_sample_document,
 )
 from cpchat.demo.names import HEADS, KINDS, MADE_UP_KINDS, Names, kind_of, pool_of_word
-from cpchat.demo.prose import load_pool
+from cpchat.demo.prose import LICENCES, load_pool, pool_of
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "assets" / "demo-model"
@@ -218,24 +218,45 @@ def test_headless_with_two_ranks_answers_from_the_sample_document(headless_answe
     assert headless_answers == [a for _, a in HEADLESS_QA]
 
 
+TRIAL_FACT = "The gate code for the Hollow mill is 7712-MR."
+
+
+def licence_trial() -> tuple[str, str, str, str]:
+    """The README's trial of a text the model never saw: the Apache-2.0 licence (held out) with a fact
+    about names it never saw added after line 100 (`sed '100a ...'`). Row: (doc name, text, question,
+    answer)."""
+    lines = (LICENCES / "Apache-2.0").read_text().splitlines(keepends=True)
+    text = "".join([*lines[:100], TRIAL_FACT + "\n", *lines[100:]])
+    return "notes.txt", text, "What is the gate code for the Hollow mill?", TRIAL_FACT
+
+
+def test_the_trial_is_held_out_and_in_the_readme() -> None:
+    assert pool_of("licence/Apache-2.0") == "heldout"
+    assert {pool_of_word(w) for w in ("Hollow", "gate")} == {"heldout"}
+    readme = (ROOT / "README.md").read_text()
+    assert f"sed '100a {TRIAL_FACT}' {LICENCES / 'Apache-2.0'} > notes.txt" in readme
+
+
 @pytest.fixture(scope="module")
-def held_out(clusters) -> tuple[list, list[str], dict[int, list[list[int]]]]:
-    """Held-out examples of about 1.5K tokens, the fact at the start, middle or end, answered
-    greedily through one rank and through four."""
+def held_out(clusters) -> tuple[list[tuple[str, str, str, str]], list[str], dict[int, list[list[int]]]]:
+    """Held-out questions answered greedily through one rank and through four: generated documents of
+    about 1.5K tokens (the fact at the start, middle or end), real prose the model never read with
+    names it never saw, and the licence trial. Rows: (doc name, text, question, answer)."""
     rng = random.Random(2024)
-    examples = [make_example(rng, 130, position=position, p_absent=0.0) for position in POSITIONS * 2]
+    generated = [make_example(rng, 130, position=p, p_absent=0.0) for p in POSITIONS * 2]
+    prose = [make_prose_example(rng, "heldout", 5000, position=p, p_absent=0.0) for p in POSITIONS * 2]
+    rows = [(ex.doc_name, ex.doc_text, *ex.turns[0]) for ex in generated + prose] + [licence_trial()]
     tokenizer = load_tokenizer(str(MODEL))
     tokens: dict[int, list[list[int]]] = {}
     for ranks in (1, 4):
         session = Session(clusters.get(ranks, MODEL), tokenizer, sampling=SamplingOptions(48, 0.0))
         tokens[ranks] = []
-        for ex in examples:
+        for name, text, question, _ in rows:
             session.reset()
-            question, _ = ex.turns[0]
-            turn = session.send(render_user_turn(ex.doc_name, ex.doc_text, question))
+            turn = session.send(render_user_turn(name, text, question))
             tokens[ranks].append([e.id for e in turn if isinstance(e, Token)])
     answers = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in tokens[1]]
-    return examples, answers, tokens
+    return rows, answers, tokens
 
 
 def test_one_and_four_ranks_give_the_same_answers(held_out) -> None:
@@ -245,6 +266,8 @@ def test_one_and_four_ranks_give_the_same_answers(held_out) -> None:
 
 
 def test_held_out_answers_are_right(held_out) -> None:
-    examples, answers, _ = held_out
-    right = sum(a == ex.turns[0][1] for a, ex in zip(answers, examples, strict=True))
-    assert right >= len(examples) - 1, answers
+    rows, answers, _ = held_out
+    right = [got == want for (*_, want), got in zip(rows, answers, strict=True)]
+    assert sum(right[:6]) >= 5, answers[:6]  # generated documents
+    assert sum(right[6:12]) >= 4, answers[6:12]  # real prose
+    assert right[12], answers[12]  # the licence trial

@@ -94,7 +94,7 @@ def test_prefill_blocks_multiply_in_float32_on_the_cpu(checkpoint, form):
     layer = model.layers[0].mlp.down_proj
     native = type(layer)
     assert use_float32_products(model) == 7 * len(model.layers)  # q, k, v, o, gate, up, down
-    x = mx.random.normal((1, MIN_ROWS, 256)).astype(mx.bfloat16)  # 256: the demo model's MLP width
+    x = mx.random.normal((1, MIN_ROWS, model.args.intermediate_size)).astype(mx.bfloat16)
     weight = layer.weight
     if native is nn.QuantizedLinear:
         weight = mx.dequantize(weight, layer.scales, layer.biases, layer.group_size, layer.bits)
