@@ -138,13 +138,13 @@ def test_prose_answers_come_from_the_document() -> None:
                 assert not any(question.startswith(q.format(attr=f.attribute, ent=f.entity))
                                for q in PROSE_QUESTIONS for f in ex.facts)
                 attr, ent = answer.removeprefix("The ").split(" is ")[0].split(" for the ")
-                assert not any(blurred((ent, attr), (f.entity, f.attribute)) for f in ex.facts), answer
+                assert not any(blurred((ent, attr), f.key) for f in ex.facts), answer
             else:
                 fact = next(f for f in ex.facts if f.sentence() == answer)
                 assert answered_value(answer) == fact.value
                 paragraphs = [" ".join(s.split()) for s in ex.sentences]  # hard-wrapped or not
                 assert any(fact.value in p and fact.entity in p for p in paragraphs)
-        keys = [(f.entity, f.attribute) for f in ex.facts]
+        keys = [f.key for f in ex.facts]
         assert not any(blurred(a, b) for i, a in enumerate(keys) for b in keys[i + 1:]), keys
     assert absent > 30 and tables > 5
     assert make_prose_example(random.Random(4), "heldout", 800) == make_prose_example(

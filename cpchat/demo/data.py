@@ -158,6 +158,10 @@ class Fact:
     attribute: str
     value: str
 
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.entity, self.attribute
+
     def sentence(self, template: str = ANSWER_TEMPLATE) -> str:
         return template.format(attr=self.attribute, ent=self.entity, val=self.value)
 
@@ -417,15 +421,17 @@ def make_prose_example(
     names = Names(pool, rng)
     n_facts = n_facts if n_facts is not None else rng.randint(1, 6)
     facts: list[Fact] = []
-    keys: list[tuple[str, str]] = []
+
+    def taken(key: tuple[str, str]) -> bool:
+        return any(blurred(key, fact.key) for fact in facts)
+
     while len(facts) < n_facts:
         if facts and rng.random() < 0.5:  # a distractor sharing the entity or the attribute
             ent, attr = _near_key(rng, names, rng.choice(facts))
         else:
             ent, attr = names.entity(), names.attribute()[0]
-        if any(blurred((ent, attr), key) for key in keys):
+        if taken((ent, attr)):
             continue
-        keys.append((ent, attr))
         facts.append(Fact(ent, attr, names.value(kind_of(attr))))
 
     paragraphs = draw_prose(rng, load_pool(pool), n_chars)
@@ -472,7 +478,7 @@ def make_prose_example(
         if rng.random() < p_absent:
             while True:
                 ent, attr = _near_key(rng, names, rng.choice(facts))
-                if not any(blurred((ent, attr), key) for key in keys):
+                if not taken((ent, attr)):
                     break
             turns.append((_prose_question(rng, attr, ent), absent_answer(attr, ent)))
         else:
