@@ -1,8 +1,10 @@
 """Hybrid models with linear-attention or state-space layers (Qwen3-Next and Qwen3.5's Gated
 DeltaNet, Nemotron-H's Mamba-2) through real ranks: each rank runs its chunks of the sequence from
-a zero and an identity state, the chunks' transforms are all-gathered and folded, convolution halos
+a stacked zero-and-identity state, the chunks' transforms are all-gathered and folded, convolution halos
 cross between ranks, and the answer is mlx-lm's own (tokens, and logprobs within 1e-3), for 1 to 4
 ranks, prompts of 1 token, of lengths that 2N does not divide, and of ~2K tokens, over several turns."""
+
+import functools
 
 import mlx.core as mx
 import numpy as np
@@ -19,7 +21,9 @@ from helpers import (
 )
 from test_exactness import assert_same
 
-from cpchat.core.recurrence import add_start_state, fold, identity_state
+from cpchat.core.gated_delta import chunked_gated_delta
+from cpchat.core.recurrence import add_start_state, fold
+from cpchat.rank.linear_layers import RECURRENCES, chunk_transform, chunked_gated_delta_update
 from cpchat.smallmodels import convert_model
 
 HYBRIDS = ("qwen3_next", "qwen3_5", "nemotron_h")
@@ -94,52 +98,86 @@ def test_low_precision_hybrids(clusters, model_dir, tmp_path_factory, arch, form
         assert worst <= 1.5 * noise, f"logprobs off by {worst:.4f}; mlx-lm's own noise is {noise:.4f}"
 
 
-def _chunks_joined(run, value: str, args: dict, start: mx.array, cuts: list[int]):
-    """Run `run` over the whole sequence from `start`, and over chunks joined by fold/add_start_state."""
-    whole_y, whole_state = run(**args, state=start)
-    length = args[value].shape[1]
-    bounds = [0, *cuts, length]
+def _original(name: str):
+    from mlx_lm.models import gated_delta, ssm
+
+    return getattr(gated_delta if name == "gated_delta_update" else ssm, name)
+
+
+def _normal(rng, *shape, scale=1.0):
+    return mx.array(rng.normal(size=shape).astype(np.float32) * scale)
+
+
+def _recurrence_args(name: str, t: int, heads: int = 4, seed: int = 0) -> tuple[dict, mx.array]:
+    """Random arguments for mlx-lm's `name` over `t` tokens (keys 8 wide, values 6), and a start state."""
+    rng = np.random.default_rng(seed)
+    normal = functools.partial(_normal, rng)
+    if name == "gated_delta_update":
+        args = dict(q=normal(1, t, 2, 8, scale=0.3), k=normal(1, t, 2, 8, scale=0.3),
+                    v=normal(1, t, heads, 6), a=normal(1, t, heads), b=normal(1, t, heads),
+                    A_log=normal(heads, scale=0.5), dt_bias=normal(heads))
+    else:
+        args = dict(hidden_states=normal(1, t, heads, 6), A_log=normal(heads, scale=0.5),
+                    B=normal(1, t, 2, 8), C=normal(1, t, 2, 8), D=normal(heads), dt=normal(1, t, heads),
+                    dt_bias=normal(heads))
+    return args, normal(1, heads, 6, 8)
+
+
+@pytest.mark.parametrize("run", ["mlx-lm", "prefill"])
+@pytest.mark.parametrize("name", ["gated_delta_update", "ssm_update"])
+def test_chunk_transforms_fold_to_the_whole_sequence(name, run):
+    """The math the ranks rely on: chunks run on the stacked state (chunk_transform, with mlx-lm's own
+    recurrence or the ranks' prefill stand-in), folded in order from a nonzero start state, give mlx-lm's
+    whole run's outputs and final state."""
+    spec, original = RECURRENCES[name], _original(name)
+    runner = spec.prefill if run == "prefill" and spec.prefill else original
+    args, start = _recurrence_args(name, 23)
+    whole_y, whole_state = original(**args, state=start)
     transforms, runs = [], []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        chunk = {k: (v[:, lo:hi] if isinstance(v, mx.array) and v.ndim >= 2 and v.shape[1] == length else v)
+    for lo, hi in zip([0, 5, 6, 17], [5, 6, 17, 23]):
+        chunk = {k: (v[:, lo:hi] if isinstance(v, mx.array) and v.ndim >= 2 and v.shape[1] == 23 else v)
                  for k, v in args.items()}
-        y0, q = run(**chunk, state=None)
-        dim = q.shape[-1]
-        zero = mx.zeros((*chunk[value].shape[:-1], dim))
-        r, p = run(**{**chunk, value: zero}, state=identity_state(1, q.shape[1], dim))
+        y0, r, p, q = chunk_transform(runner, spec, chunk, first=False)
         transforms.append((p, q))
         runs.append((y0, r))
     starts, state = fold(start, transforms)
     y = mx.concatenate([add_start_state(y0, r, s) for (y0, r), s in zip(runs, starts)], axis=1)
-    return (whole_y, whole_state), (y, state)
-
-
-@pytest.mark.parametrize("recurrence", ["gated_delta", "ssm"])
-def test_chunk_transforms_fold_to_the_whole_sequence(recurrence):
-    """The math the ranks rely on, on mlx-lm's own recurrences: chunks run from zero and identity
-    states, folded in order from a nonzero start state, give the whole run's outputs and final state."""
-    from mlx_lm.models.gated_delta import gated_delta_update
-    from mlx_lm.models.ssm import ssm_update
-
-    rng = np.random.default_rng(0)
-
-    def normal(*shape, scale=1.0):
-        return mx.array(rng.normal(size=shape).astype(np.float32) * scale)
-
-    t, heads = 23, 4
-    if recurrence == "gated_delta":
-        run, value = gated_delta_update, "v"
-        args = dict(q=normal(1, t, 2, 8, scale=0.3), k=normal(1, t, 2, 8, scale=0.3),
-                    v=normal(1, t, heads, 6), a=normal(1, t, heads), b=normal(1, t, heads),
-                    A_log=normal(heads, scale=0.5), dt_bias=normal(heads))
-        start = normal(1, heads, 6, 8)
-    else:
-        run, value = ssm_update, "hidden_states"
-        args = dict(hidden_states=normal(1, t, heads, 6), A_log=normal(heads, scale=0.5),
-                    B=normal(1, t, 2, 8), C=normal(1, t, 2, 8), D=normal(heads), dt=normal(1, t, heads),
-                    dt_bias=normal(heads))
-        start = normal(1, heads, 6, 8)
-    (whole_y, whole_state), (y, state) = _chunks_joined(run, value, args, start, cuts=[5, 6, 17])
     assert np.allclose(np.asarray(y), np.asarray(whole_y), atol=1e-4)
     assert np.allclose(np.asarray(state), np.asarray(whole_state), atol=1e-4)
     assert not np.allclose(np.asarray(start), np.asarray(whole_state), atol=1e-2)  # the state moved
+
+
+@pytest.mark.parametrize("length, chunk", [(1, 64), (37, 16), (64, 64), (200, 64), (130, 32)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunkwise_gated_delta_is_the_token_loop(length, chunk, with_state):
+    """The chunkwise form equals mlx-lm's token-by-token loop (GQA heads, partial last chunk, strong and
+    weak gates), from zero and from a given state."""
+    from mlx_lm.models.gated_delta import compute_g, gated_delta_ops
+
+    rng = np.random.default_rng(length)
+    normal = functools.partial(_normal, rng)
+    q, k = normal(1, length, 2, 16), normal(1, length, 2, 16)
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)  # as normalize_qk leaves them
+    q = q / mx.linalg.norm(q, axis=-1, keepdims=True) / 4
+    v = normal(1, length, 4, 8)
+    g = compute_g(normal(4), normal(1, length, 4, scale=3.0), normal(4))
+    beta = mx.sigmoid(normal(1, length, 4))
+    start = normal(1, 4, 8, 16) if with_state else None
+    want_y, want_state = gated_delta_ops(q, k, v, g, beta, start)
+    y, state = chunked_gated_delta(q, k, v, g, beta, start, chunk=chunk)
+    assert y.shape == want_y.shape and state.shape == want_state.shape
+    assert np.allclose(np.asarray(y), np.asarray(want_y), atol=1e-5)
+    assert np.allclose(np.asarray(state), np.asarray(want_state), atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{}, {"lower_bound": -2.0}, {"allow_neg_eigval": True}])
+def test_prefill_stand_in_takes_mlx_lm_arguments(options):
+    """chunked_gated_delta_update makes the gate and write strength as gated_delta_update does, for every
+    option the models pass, and bfloat16 inputs give a bfloat16 output."""
+    args, start = _recurrence_args("gated_delta_update", 70)
+    args = {k: v.astype(mx.bfloat16) if k in "qkvab" else v for k, v in args.items()}
+    want_y, want_state = _original("gated_delta_update")(**args, state=start, **options)
+    y, state = chunked_gated_delta_update(**args, state=start, **options)
+    assert y.dtype == want_y.dtype == mx.bfloat16
+    assert np.allclose(np.asarray(y.astype(mx.float32)), np.asarray(want_y.astype(mx.float32)), atol=2e-2)
+    assert np.allclose(np.asarray(state), np.asarray(want_state), atol=1e-4)

@@ -14,8 +14,12 @@ So a chunk of tokens t = 1..T acts on the state it starts from as
 
 where Q and y0 come from running the chunk from a zero state, and P and r from
 running it with zero inputs (v = 0, x = 0) from the identity state I [Dk, Dk]:
-then S_t = A_1 ... A_t and y_t = r_t. Both runs are the model's own recurrence
-function, so nothing of a family's gate or update rule is written here.
+then S_t = A_1 ... A_t and y_t = r_t. Each row of the state evolves on its own,
+from its own row of the input (A_t acts from the right), so one run does both:
+from the stacked state [0; I] [Dv + Dk, Dk] with the inputs [v; 0], it returns
+[y0; r] and the state [Q; P]. The run is the model's own recurrence function
+(or a faster one with the same results), so nothing of a family's gate or
+update rule is written here.
 
 Every rank runs its chunks both ways in parallel; the chunks' (P, Q) are
 all-gathered and folded in sequence order from the state the conversation
@@ -29,9 +33,11 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-def identity_state(batch: int, heads: int, dim: int) -> mx.array:
-    """[batch, heads, dim, dim] identity matrices, the start state that makes a run return P and r."""
-    return mx.broadcast_to(mx.eye(dim, dtype=mx.float32), (batch, heads, dim, dim))
+def stacked_start(heads: int, dv: int, dk: int) -> mx.array:
+    """[1, heads, dv + dk, dk]: zeros over the identity, the start state whose run returns [y0; r] and
+    [Q; P] when the inputs are [v; 0]."""
+    start = mx.concatenate([mx.zeros((dv, dk), mx.float32), mx.eye(dk, dtype=mx.float32)])
+    return mx.broadcast_to(start, (1, heads, dv + dk, dk))
 
 
 def fold(start: mx.array | None, transforms: list[tuple[mx.array | None, mx.array]]

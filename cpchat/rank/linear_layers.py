@@ -13,10 +13,12 @@ runs unchanged; three hooks make it context-parallel:
   convolution sees what it would in one sequence; it cuts them off the output.
 - the recurrence itself (mlx-lm's `gated_delta_update`, `ssm_update`, as every
   model module binds it) is wrapped: in prefill each row (a chunk of the
-  sequence) runs from a zero state and from the identity state, the chunks'
+  sequence) runs once on a stacked state that gives its output from a zero
+  state and its transform (`cpchat.core.recurrence` has the math), the chunks'
   transforms are all-gathered and folded in order, and each row adds its true
-  start state (`cpchat.core.recurrence` has the math); in decode every rank
-  runs the new token from the stored state, as mlx-lm does.
+  start state; in decode every rank runs the new token from the stored state,
+  as mlx-lm does. Gated DeltaNet's prompt rows run chunkwise
+  (`cpchat.core.gated_delta`) where mlx-lm would loop over tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import functools
 import inspect
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,7 +36,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from cpchat.core.recurrence import add_start_state, fold, identity_state
+from cpchat.core.gated_delta import chunked_gated_delta
+from cpchat.core.recurrence import add_start_state, fold, stacked_start
 from cpchat.core.sharding import head_tail_layout
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.fit import UnsupportedModel, mix_in
@@ -47,20 +51,43 @@ if TYPE_CHECKING:
 HALO_STEP, RUN_STEP, COMBINE_STEP = range(3)
 
 
+def chunked_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *, use_kernel=True,
+                               lower_bound=None, allow_neg_eigval=False):
+    """mlx-lm's `gated_delta_update` over a prompt, chunkwise where mlx-lm would loop over the tokens
+    (no Metal kernel) and the gate is one scalar per head."""
+    from mlx_lm.models import gated_delta
+
+    if mask is not None or (mx.default_device() == mx.gpu and mx.metal.is_available()):
+        return gated_delta.gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask,
+                                              use_kernel=use_kernel, lower_bound=lower_bound,
+                                              allow_neg_eigval=allow_neg_eigval)
+    beta = mx.sigmoid(b) * (2.0 if allow_neg_eigval else 1.0)  # g and beta as gated_delta_update makes them
+    if lower_bound is None:
+        g = gated_delta.compute_g(A_log, a, dt_bias)
+    else:
+        g = gated_delta.compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
+    if g.ndim != 3:  # a gate per key channel
+        return gated_delta.gated_delta_ops(q, k, v, g, beta, state)
+    return chunked_gated_delta(q, k, v, g, beta, state)
+
+
 @dataclass(frozen=True)
 class Recurrence:
     """How one of mlx-lm's recurrence functions takes its arguments."""
 
-    value: str  # the per-token input the state accumulates; zero in the run that finds P and r
+    value: str  # the per-token input the state accumulates; zero in the state rows that find P and r
+    key: str  # an argument whose last axis is the state's last (Dk)
     state: str
     mask: str
     output_like: str  # the argument whose dtype the output takes
     float32: tuple[str, ...]  # cast up so the outputs stay float32 until the start state is added
+    prefill: Callable | None = None  # a faster stand-in for prompt rows, with the same signature and results
 
 
 RECURRENCES = {
-    "gated_delta_update": Recurrence("v", "state", "mask", output_like="q", float32=("q", "k", "v")),
-    "ssm_update": Recurrence("hidden_states", "state", "mask", output_like="hidden_states",
+    "gated_delta_update": Recurrence("v", "k", "state", "mask", output_like="q", float32=("q", "k", "v"),
+                                     prefill=chunked_gated_delta_update),
+    "ssm_update": Recurrence("hidden_states", "B", "state", "mask", output_like="hidden_states",
                              float32=("hidden_states",)),
 }
 
@@ -274,7 +301,7 @@ def run_recurrence(rp: RingPass, layer: int, name: str, original, spec: Recurren
         if n:
             row_args = _per_token(args, rows, length, lambda a, row=row, n=n: a[row:row + 1, :n])
             first = chunk == 0 and stored.state is None  # starts from no state: needs no P or r
-            runs[chunk] = _run_chunk(original, spec, row_args, first)
+            runs[chunk] = chunk_transform(spec.prefill or original, spec, row_args, first)
     mx.eval([a for run in runs.values() for a in run if a is not None])
     timing.compute_ms += 1000 * (time.perf_counter() - t0)
 
@@ -308,18 +335,18 @@ def _per_token(args: dict, rows: int, length: int, cut) -> dict:
             for k, v in args.items()}
 
 
-def _run_chunk(original, spec: Recurrence, args: dict, first: bool):
-    """(y0, r, P, Q) of one chunk: from a zero state, and (unless it is the first of the conversation)
-    with zero inputs from the identity state."""
+def chunk_transform(run, spec: Recurrence, args: dict, first: bool):
+    """(y0, r, P, Q) of one chunk, in one run: from the state [0; I] with the inputs [v; 0] (or, for the
+    first chunk of the conversation, which needs no P or r, from a zero state)."""
     args = {k: (v.astype(mx.float32) if k in spec.float32 else v) for k, v in args.items()}
-    y0, q = original(**{**args, spec.state: None})
     if first:
+        y0, q = run(**{**args, spec.state: None})
         return y0, None, None, q
     value = args[spec.value]
-    dim = q.shape[-1]
-    zero = mx.zeros((*value.shape[:-1], dim), value.dtype)
-    r, p = original(**{**args, spec.value: zero, spec.state: identity_state(1, q.shape[1], dim)})
-    return y0, r, p, q
+    dv, dk = value.shape[-1], args[spec.key].shape[-1]
+    stacked = mx.concatenate([value, mx.zeros((*value.shape[:-1], dk), value.dtype)], axis=-1)
+    y, s = run(**{**args, spec.value: stacked, spec.state: stacked_start(value.shape[2], dv, dk)})
+    return y[..., :dv], y[..., dv:], s[..., dv:, :], s[..., :dv, :]
 
 
 def _chunk_index(rp: RingPass, row_start: int) -> int:
