@@ -23,7 +23,8 @@ from test_exactness import assert_same
 
 from cpchat.core.gated_delta import chunked_gated_delta
 from cpchat.core.recurrence import add_start_state, fold
-from cpchat.rank.linear_layers import RECURRENCES, chunk_transform, chunked_gated_delta_update
+from cpchat.rank.fit import mix_in
+from cpchat.rank.linear_layers import RECURRENCES, ShiftedConv, chunk_transform, chunked_gated_delta_update
 from cpchat.smallmodels import convert_model
 
 HYBRIDS = ("qwen3_next", "qwen3_5", "nemotron_h")
@@ -181,3 +182,22 @@ def test_prefill_stand_in_takes_mlx_lm_arguments(options):
     assert y.dtype == want_y.dtype == mx.bfloat16
     assert np.allclose(np.asarray(y.astype(mx.float32)), np.asarray(want_y.astype(mx.float32)), atol=2e-2)
     assert np.allclose(np.asarray(state), np.asarray(want_state), atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("padding, bias", [(0, False), (3, True)])
+def test_shifted_convolution_is_the_depthwise_convolution(dtype, padding, bias):
+    """A depthwise Conv1d with ShiftedConv mixed in gives what MLX's grouped convolution gives."""
+    import mlx.nn as nn
+
+    conv = nn.Conv1d(48, 48, 4, padding=padding, groups=48, bias=bias)
+    if bias:
+        conv.bias = mx.random.normal((48,))
+    conv.set_dtype(dtype)
+    x = mx.random.normal((2, 19, 48)).astype(dtype)
+    want = conv(x)
+    mix_in(conv, ShiftedConv)
+    got = conv(x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert np.allclose(np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32)),
+                       atol=1e-5 if dtype == mx.float32 else 1e-2)
