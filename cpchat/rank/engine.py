@@ -264,9 +264,9 @@ class Engine:
         if not linear:
             return ""
         kinds = ", ".join(sorted({layer.recurrence for layer in linear}))
-        return (f"{len(linear)} of {self.info.num_layers} layers linear ({kinds}): {2 * ranks} chunks run "
-                f"from zero and identity states on {ranks} rank{'s' * (ranks > 1)}, their transforms "
-                "all-gathered and folded in order; convolution halos exchanged")
+        return (f"{len(linear)} of {self.info.num_layers} layers linear ({kinds}): {2 * ranks} chunks "
+                f"on {ranks} rank{'s' * (ranks > 1)}, each run once from a stacked zero-and-identity state, "
+                "their transforms all-gathered and folded in order; convolution halos exchanged")
 
     def _prefill(
         self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, on_layer
