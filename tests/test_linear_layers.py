@@ -124,14 +124,14 @@ def _recurrence_args(name: str, t: int, heads: int = 4, seed: int = 0) -> tuple[
     return args, normal(1, heads, 6, 8)
 
 
-@pytest.mark.parametrize("run", ["mlx-lm", "prefill"])
-@pytest.mark.parametrize("name", ["gated_delta_update", "ssm_update"])
-def test_chunk_transforms_fold_to_the_whole_sequence(name, run):
+@pytest.mark.parametrize("name, stand_in", [("gated_delta_update", False), ("gated_delta_update", True),
+                                            ("ssm_update", False)])
+def test_chunk_transforms_fold_to_the_whole_sequence(name, stand_in):
     """The math the ranks rely on: chunks run on the stacked state (chunk_transform, with mlx-lm's own
     recurrence or the ranks' prefill stand-in), folded in order from a nonzero start state, give mlx-lm's
     whole run's outputs and final state."""
     spec, original = RECURRENCES[name], _original(name)
-    runner = spec.prefill if run == "prefill" and spec.prefill else original
+    runner = spec.prefill if stand_in else original
     args, start = _recurrence_args(name, 23)
     whole_y, whole_state = original(**args, state=start)
     transforms, runs = [], []
@@ -176,7 +176,7 @@ def test_prefill_stand_in_takes_mlx_lm_arguments(options):
     """chunked_gated_delta_update makes the gate and write strength as gated_delta_update does, for every
     option the models pass, and bfloat16 inputs give a bfloat16 output."""
     args, start = _recurrence_args("gated_delta_update", 70)
-    args = {k: v.astype(mx.bfloat16) if k in "qkvab" else v for k, v in args.items()}
+    args = {k: v.astype(mx.bfloat16) if k in ("q", "k", "v", "a", "b") else v for k, v in args.items()}
     want_y, want_state = _original("gated_delta_update")(**args, state=start, **options)
     y, state = chunked_gated_delta_update(**args, state=start, **options)
     assert y.dtype == want_y.dtype == mx.bfloat16

@@ -21,7 +21,7 @@ from the stacked state [0; I] [Dv + Dk, Dk] with the inputs [v; 0], it returns
 (or a faster one with the same results), so nothing of a family's gate or
 update rule is written here.
 
-Every rank runs its chunks both ways in parallel; the chunks' (P, Q) are
+Every rank runs its chunks in parallel; the chunks' (P, Q) are
 all-gathered and folded in sequence order from the state the conversation
 held (`fold`), which gives each chunk its S_start and the final state; each
 rank then adds S_start r_t to its outputs (`add_start_state`). A chunk that
