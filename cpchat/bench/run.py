@@ -84,7 +84,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", default="1024,2048,4096,8192,16384", help="comma-separated prompt lengths")
     p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
     p.add_argument("--decode", type=int, default=16, help="tokens to generate per run")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each measurement: TTFT keeps the best, the transport rows the median")
     p.add_argument("--algorithm", default="pass_kv", choices=list(ALGORITHMS))
     p.add_argument("--algorithms", metavar="LIST",
                    help="compare prefill algorithms instead of mlx-lm: a comma list of "
@@ -161,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in ranks:
             for data_plane in planes if n > 1 else planes[:1]:
                 rows.extend(run_cpchat(model, n, contexts, args, blas_choice, data_plane))
-    transport = run_transport([int(s) * MB for s in args.transport.split(",") if s]) if args.transport else []
+    sizes = [int(s) * MB for s in args.transport.split(",") if s]
+    transport = run_transport(sizes, args.repeats) if sizes else []
     out = Path(args.out)
     write_report(out, rows, transport, args, model, time.time() - started)
     print(f"wrote {out / 'results.md'}", file=sys.stderr)
@@ -226,6 +228,13 @@ def ring_link(cluster: Cluster, probe_bytes: int, rounds: int = 3) -> tuple[floa
     replies = [c.result() for c in calls]
     return (min(r.ring_bytes_per_s for r in replies),
             max(max(r.link_latency_s, default=0.0) for r in replies))
+
+
+def median_link(cluster: Cluster, probe_bytes: int, repeats: int) -> tuple[float, float]:
+    """`ring_link`'s bandwidth and latency, each the median of `repeats` runs of TRANSPORT_ROUNDS
+    blocks: one run is a few milliseconds on a machine whose neighbours come and go."""
+    runs = [ring_link(cluster, probe_bytes, TRANSPORT_ROUNDS) for _ in range(max(1, repeats))]
+    return statistics.median(r for r, _ in runs), statistics.median(lat for _, lat in runs)
 
 
 def bench_model(hidden: int, layers: int, heads: int | None = None, kv_heads: int | None = None,
@@ -380,16 +389,17 @@ def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> fl
 TRANSPORT_ROUNDS = 10  # blocks timed back to back per size, after one untimed warm-up block
 
 
-def run_transport(sizes: list[int]) -> list[dict]:
-    """cpchat's ring over gRPC, shared memory and an mx.distributed group, next to what those allow
-    (mx.distributed's ring backend, gRPC Python moving ready-made bytes, a plain TCP socket); 2 local
-    processes each, both directions busy at once. Each row also has the small-message latency."""
+def run_transport(sizes: list[int], repeats: int) -> list[dict]:
+    """cpchat's ring over gRPC, shared memory and an mx.distributed group (the median of `repeats`
+    runs), next to what those allow (mx.distributed's ring backend, gRPC Python moving ready-made
+    bytes, a plain TCP socket); 2 local processes each, both directions busy at once. Each row also
+    has the small-message latency."""
     ours: dict[str, dict[int, tuple[float, float]]] = {}
     for transport in ("grpc", "shm", "mlx"):
         cluster = Cluster.launch(2, transport=transport)
         try:
             cluster.connect()
-            ours[transport] = {size: ring_link(cluster, size, TRANSPORT_ROUNDS) for size in sizes}
+            ours[transport] = {size: median_link(cluster, size, repeats) for size in sizes}
         finally:
             cluster.close()
     mx_rates = mx_distributed_rates(sizes)
@@ -482,8 +492,9 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         lines += [
             "",
             f"Ring transport, GB/s per link: 2 local processes, both directions at once, "
-            f"{TRANSPORT_ROUNDS} blocks back to back after a warm-up block. Latency: one way, a small "
-            f"message (half the best of 5 round trips), measured beside each row's blocks.",
+            f"{TRANSPORT_ROUNDS} blocks back to back after a warm-up block, the median of "
+            f"{args.repeats} such runs for cpchat's rings. Latency: one way, a small message (half the "
+            f"best of 5 round trips), measured beside each row's blocks (the median of the runs).",
             "",
             "| block | cpchat gRPC ring | cpchat shared memory | cpchat mx.distributed (ring backend) "
             "| mx.distributed ring, bytes only | gRPC Python, bytes only | TCP socket "

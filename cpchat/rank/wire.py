@@ -188,11 +188,21 @@ def block_nbytes(tensors: list[mx.array]) -> int:
     return sum(t.nbytes for t in tensors)
 
 
+def gather_buffer(nbytes: int) -> tuple[mx.array | None, np.ndarray]:
+    """Where a tensor's chunks are gathered: on the CPU, the memory of a fresh MLX array, written
+    in place through numpy (the array is ours alone until the block is complete), so `to_mlx`
+    copies nothing more; elsewhere (a GPU's memory may not be the host's) a numpy buffer."""
+    if mx.default_device() != mx.cpu:
+        return None, np.empty(nbytes, dtype=np.uint8)
+    array = mx.zeros((nbytes,), mx.uint8, stream=mx.cpu)
+    return array, np.asarray(array)
+
+
 class BlockAssembler:
     """Collects the frames of one block; `add` returns the tensors once complete.
 
     A tensor sent in one chunk is a view of the received bytes; one cut into
-    chunks is gathered in a preallocated buffer first.
+    chunks is gathered in a buffer of its own first (`gather_buffer`).
     """
 
     def __init__(self, first: pb.Frame) -> None:
@@ -225,7 +235,8 @@ class BlockAssembler:
         i = f.tensor_index
         if self.headers[i] is None:
             self.headers[i] = (f.dtype, shape)
-            self.buffers[i] = np.empty(nbytes, dtype=np.uint8) if f.chunk_count > 1 else None
+            if f.chunk_count > 1:
+                self.arrays[i], self.buffers[i] = gather_buffer(nbytes)
             self.missing += f.chunk_count
         elif self.headers[i] != (f.dtype, shape):
             raise FrameError(f"frames of tensor {i} disagree on dtype or shape")
