@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import statistics
@@ -471,7 +472,7 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         f"Model: `{Path(model).name}`; {args.repeats} repeat(s), best of them (median in the JSON); "
         f"{args.decode} decoded tokens; {threads_note(args.pin)}; took {seconds:.0f} s."
         if rows
-        else f"{usable_cores()} cores; took {seconds:.0f} s.",
+        else f"{os.cpu_count()} cores; took {seconds:.0f} s.",
     ]
     if rows:
         lines += [
