@@ -117,16 +117,6 @@ def rerun_preloaded(module: str, argv: list[str], env: dict[str, str]) -> None:
         os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
 
 
-def exit_skipping_destructors(code: int) -> None:
-    """End a process that multiplied with a preloaded BLAS, once its output is flushed, without the
-    libraries' exit handlers: Debian's OpenBLAS 0.3.21 can deadlock in its own, joining a pool thread
-    that sleeps (seen once: a 2-thread mlx-lm run that had finished its work hung in
-    blas_thread_shutdown_). The kernel frees what the process held, shared-memory links included."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def in_use() -> BlasInfo:
     """The library that really serves MLX's cblas_sgemm in this process."""
     import mlx.core  # noqa: F401  (libmlx must be loaded for its own dependency to show)

@@ -57,7 +57,4 @@ def prompt_ids(vocab: int, length: int, seed: int = 0) -> list[int]:
 
 
 if __name__ == "__main__":
-    from cpchat.blas import exit_skipping_destructors
-
     main()
-    exit_skipping_destructors(0)

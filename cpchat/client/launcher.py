@@ -60,12 +60,10 @@ def rank_environment(blas_choice: str = "auto", processes: int = 1) -> dict[str,
     """The environment of a local rank (and of benchmark children): the BLAS preloaded, and the
     cores shared out among the `processes` that compute at once, a BLAS thread per core (one
     process gets them all; more processes than cores get one each). Set, not inherited: a process
-    started this way may start ranks of its own. A rank holds two thread pools (MLX's BLAS and
-    numpy's OpenBLAS, which runs the attention tiles), so idle threads sleep at once instead of
-    spinning: OpenBLAS's default spin cut N=1 decode on 2 cores from 16.9 to 5.3 tokens/s."""
+    started this way may start ranks of its own."""
     env = blas.preload_environment(blas_choice)
     threads = str(max(1, usable_cores() // processes))
-    env |= {"OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_THREAD_TIMEOUT": "4"}
+    env |= {"OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

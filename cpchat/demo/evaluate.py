@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cpchat.blas import exit_skipping_destructors
 from cpchat.demo.data import NOT_FOUND, answered_value, make_example, make_prose_example, render_user_turn
 
 # generate_fn(doc_name, doc_text, question) -> the answer text
@@ -216,6 +215,5 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    exit_skipping_destructors(0)
 
 __all__ = ["NOT_FOUND", "GenerateFn", "answer_questions", "evaluate", "format_table", "mlx_generate_fn"]
