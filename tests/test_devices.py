@@ -1,7 +1,6 @@
-"""What local ranks share out: the cores, as BLAS threads; and the GPUs, one local rank per GPU
-(--devices): which devices are visible, and the rank processes pinned to them in turn through
-CUDA_VISIBLE_DEVICES. No GPU here: the driver's listing is a folder the test makes, and the ranks,
-pinned to devices they cannot see, compute on the CPU as before."""
+"""One local rank per GPU (--devices): which devices are visible, and the rank processes pinned to
+them in turn through CUDA_VISIBLE_DEVICES. No GPU here: the driver's listing is a folder the test
+makes, and the ranks, pinned to devices they cannot see, compute on the CPU as before."""
 
 from __future__ import annotations
 
@@ -13,26 +12,12 @@ import pytest
 from rankprocs import CPCHAT
 
 from cpchat.client.cluster import BadInput, Cluster
-from cpchat.client.launcher import rank_devices, usable_cores, visible_gpus
+from cpchat.client.launcher import rank_devices, visible_gpus
 
 
 def environ_of(pid: int) -> dict[str, str]:
     entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(e.decode().split("=", 1) for e in entries if b"=" in e)
-
-
-def test_local_ranks_share_the_cores_as_blas_threads(monkeypatch):
-    """One rank multiplies on every core, N ranks on their share of them; a count in the front end's
-    own environment (a process that was itself started with one) is not passed on."""
-    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "7")
-    cores = usable_cores()
-    for n in (1, 2, cores + 1):
-        cluster = Cluster.launch(n)
-        try:
-            threads = {environ_of(r.local.process.pid)["OPENBLAS_NUM_THREADS"] for r in cluster.ranks}
-            assert threads == {str(max(1, cores // n))}
-        finally:
-            cluster.close()
 
 
 def test_visible_gpus_follow_the_environment_then_the_driver(tmp_path):

@@ -24,7 +24,7 @@ from cpchat.bench.baseline import prompt_ids
 from cpchat.bench.wirefloor import floor_rates
 from cpchat.client.cluster import TRANSPORTS, Cluster
 from cpchat.client.events import Done, Prefill
-from cpchat.client.launcher import rank_environment, usable_cores
+from cpchat.client.launcher import rank_environment
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.client.settings import REPO_ASSETS, cache_dir
 from cpchat.core.heuristics import ALGORITHMS
@@ -304,8 +304,7 @@ def run_baseline(model: str, context: int, args, blas_choice: str) -> Row:
     ]
     if args.pin:
         cmd = ["taskset", "-c", "0"] + cmd
-    env = rank_environment(blas_choice, usable_cores() if args.pin else 1)
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=rank_environment(blas_choice), check=True)
     row = Row("mlx-lm", 1, context)
     for line in done.stdout.splitlines():
         r = json.loads(line)
@@ -453,14 +452,6 @@ def mx_distributed_rates(sizes: list[int]) -> dict[int, float]:
         return {}
 
 
-def threads_note(pinned: bool) -> str:
-    """How the run shared out the cores (rank_environment)."""
-    cores = usable_cores()
-    if pinned:
-        return f"{cores} cores: mlx-lm and each rank on one core, with one BLAS thread"
-    return f"{cores} cores: mlx-lm runs {cores} BLAS threads, each of N ranks {cores} // N (at least 1)"
-
-
 def write_report(out: Path, rows: list[Row], transport: list[dict], args, model: str, seconds: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
     command = "cpchat bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
@@ -470,7 +461,7 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         "",
         f"Command: `{command.strip()}`  ",
         f"Model: `{Path(model).name}`; {args.repeats} repeat(s), best of them (median in the JSON); "
-        f"{args.decode} decoded tokens; {threads_note(args.pin)}; took {seconds:.0f} s."
+        f"{args.decode} decoded tokens; {os.cpu_count()} cores; took {seconds:.0f} s."
         if rows
         else f"{os.cpu_count()} cores; took {seconds:.0f} s.",
     ]

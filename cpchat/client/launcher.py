@@ -49,21 +49,12 @@ class LocalRank:
             self.log_path.parent.rmdir()  # the last rank of the launch removes the folder
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, where the OS keeps one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def rank_environment(blas_choice: str = "auto", processes: int = 1) -> dict[str, str]:
-    """The environment of a local rank (and of benchmark children): the BLAS preloaded, and the
-    cores shared out among the `processes` that compute at once, a BLAS thread per core (one
-    process gets them all; more processes than cores get one each). Set, not inherited: a process
-    started this way may start ranks of its own."""
+def rank_environment(blas_choice: str = "auto") -> dict[str, str]:
+    """The environment of a local rank (and of benchmark children): the BLAS preloaded, one
+    BLAS thread each, since local ranks share the cores."""
     env = blas.preload_environment(blas_choice)
-    threads = str(max(1, usable_cores() // processes))
-    env |= {"OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env.setdefault("MKL_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -103,7 +94,7 @@ def launch_local_ranks(n: int, blas_choice: str = "auto", pin_cpus: bool = False
     on core i (modulo the cores there are); with devices, on devices[i] (modulo their number)."""
     if n < 1:
         raise LaunchError(f"--ranks must be at least 1, got {n}")
-    env = rank_environment(blas_choice, usable_cores() if pin_cpus else n)  # pinned: a core each
+    env = rank_environment(blas_choice)
     log_dir = Path(tempfile.mkdtemp(prefix="cpchat-ranks-"))
     started: list[tuple[subprocess.Popen, Path, str]] = []
     for i in range(n):
