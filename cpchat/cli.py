@@ -20,7 +20,8 @@ def app_parser() -> argparse.ArgumentParser:
         epilog="Subcommands: 'cpchat rank --help' (serve a rank), 'cpchat bench --help' (benchmarks).",
     )
     p.add_argument("--version", action="version", version=f"cpchat {__version__}")
-    p.add_argument("--model", help="mlx-lm model directory or hub id ORG/NAME[@rev] (default: demo model)")
+    p.add_argument("--model", help="mlx-lm model directory, hub id ORG/NAME[@rev], GGUF file, "
+                                    "ollama:NAME[:TAG], or smollm2 (fetched once; default: the demo model)")
     p.add_argument("--ranks", type=int, default=None, help="launch N local rank processes (default 2)")
     ring = p.add_mutually_exclusive_group()
     ring.add_argument("--attach", metavar="ADDR,...", help="use running ranks, in ring order (host:port,...)")
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return print_architectures()
     if args.list:
-        from cpchat.client.settings import data_dir
+        from cpchat.dirs import data_dir
         from cpchat.tui.conversations import print_conversations
 
         return print_conversations(data_dir() / "transcripts")

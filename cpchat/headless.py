@@ -11,6 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cpchat import EXIT_BACKEND, EXIT_OK, EXIT_USAGE
+from cpchat.checkpoints.resolve import DownloadLines
 from cpchat.client.cluster import BackendError, BadInput
 from cpchat.client.connect import ClusterOptions, connect_cluster
 from cpchat.client.events import EVENT_NAMES, Error, Progress, RankAddress, Ready, Token
@@ -103,7 +104,8 @@ def run_headless(args: argparse.Namespace, options: ClusterOptions) -> int:
         model_path, description = resolve_model(settings.model)
         if not settings.model:
             print(f"cpchat: using {description}", file=sys.stderr)
-        tokenizer = load_tokenizer(front_end_copy(model_path, whole_model=not options.attached))
+        tokenizer = load_tokenizer(front_end_copy(model_path, whole_model=not options.attached,
+                                                  report=DownloadLines()))
         cluster = connect_cluster(options, settings.ranks, settings.blas)
         cluster.load(model_path)
         out.event(Ready(settings.model or "demo",

@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import mlx_lm
+from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.sample_utils import make_sampler
 
 from cpchat.client.events import Done, Prefill, Token
@@ -92,3 +93,28 @@ def low_precision_noise(path: Path, ids: list[int], expected: list[tuple[int, fl
         max(abs(a - b) for a, b in zip(in_dtype, in_float32, strict=True)),
         max(abs(lp - b) for (_, lp), b in zip(expected, generated, strict=True)),
     )
+
+
+def dense_float32(model) -> None:
+    """Replace `model`'s quantized layers by float32 ones holding the same stored weights (dequantized with
+    the scales in float32): the same weights run in float32, through fast dense products."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    def dense(module):
+        w = mx.dequantize(module.weight, module.scales.astype(mx.float32), module.biases.astype(mx.float32),
+                          module.group_size, module.bits)
+        if isinstance(module, nn.QuantizedEmbedding):
+            layer = nn.Embedding(*w.shape)
+        else:
+            layer = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
+            if "bias" in module:
+                layer.bias = module.bias.astype(mx.float32)
+        layer.weight = w
+        return layer
+
+    swaps = [(name, dense(m)) for name, m in model.named_modules()
+             if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)]
+    model.update_modules(tree_unflatten(swaps))
+    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
+                          model.parameters()))

@@ -78,12 +78,12 @@ def test_download_reports_progress_and_lands_in_the_cache(tmp_path, model_dir, m
         return str(target)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    path = hub.front_end_copy("acme/new@v1", whole_model=False, progress=lambda d, t: reports.append((d, t)))
+    path = hub.front_end_copy("acme/new@v1", whole_model=False, report=lambda *p: reports.append(p))
     assert Path(path, "tokenizer.json").exists()
     assert [c[3] for c in calls] == [True, False] and calls[1][:2] == ("acme/new", "v1")
     assert "model*.safetensors" not in calls[1][2] and "tokenizer.model" in calls[1][2]
-    assert reports == [(100, 300), (300, 300)]
-    hub.front_end_copy("acme/new", whole_model=True, progress=lambda d, t: None)
+    assert reports == [("download", 100, 300), ("download", 300, 300)]
+    hub.front_end_copy("acme/new", whole_model=True, report=lambda *p: None)
     assert "model*.safetensors" in calls[-1][2]
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from ggufs import write_gguf
 from makedocs import write_pdf
 from textual.pilot import Pilot
 from textual.widgets import Label, Markdown, Static
@@ -454,7 +455,7 @@ async def test_palette_actions(make_app):
         await send(pilot, "First question")
         assert app.query_one(BigText).text == "pass_q" and app.chat.backend.session.last_choice.forced
         await run_palette(pilot, "Export transcript")
-        from cpchat.client.settings import data_dir
+        from cpchat.dirs import data_dir
 
         exported = sorted((data_dir() / "exports").glob("*.md"))
         assert exported and "First question" in exported[-1].read_text()
@@ -641,6 +642,23 @@ async def test_hub_model_downloads_with_progress_then_answers(model, tmp_path, m
         assert "tiny-chat" in app.sub_title
         await send(pilot, "hello")
         assert assistant_messages(app) and app.chat.backend.cluster.model.name == "acme/tiny-chat"
+
+
+async def test_a_gguf_model_is_converted_with_progress_then_answers(model_dir, tmp_path):
+    """`--model FILE.gguf`: converted once, with its progress in the work bar and a notice saying where
+    to; then the local ranks load it and answer."""
+    gguf = write_gguf(model_dir("llama"), tmp_path / "tiny.gguf", "Q8_0")
+    app = ProgressApp(Settings(model=str(gguf), ranks=RANKS, max_tokens=4, seed=1),
+                      transcripts=tmp_path / "transcripts")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        converted = [p for p in app.chat.phases if p[0] == "convert"]
+        assert converted and converted[-1][1] == converted[-1][2] > 0
+        notes = [n.message for n in app._notifications]
+        assert any(note.startswith("Converting tiny.gguf to an mlx-lm model") for note in notes)
+        assert "tiny.gguf" in app.sub_title
+        await send(pilot, "hello")
+        assert assistant_messages(app)
 
 
 async def test_a_hybrid_model_shows_its_state_and_how_linear_layers_ran(make_app, model_dir):

@@ -19,6 +19,7 @@ def main() -> None:
     p.add_argument("--context", type=int, required=True)
     p.add_argument("--decode", type=int, default=16)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--text", action="store_true", help="a prompt of prose (document_ids), not random ids")
     args = p.parse_args()
 
     import mlx_lm
@@ -27,7 +28,8 @@ def main() -> None:
     from cpchat.blas import in_use
 
     model, tokenizer = mlx_lm.load(args.model)
-    ids = prompt_ids(len(tokenizer.vocab), args.context)
+    vocab = len(tokenizer.vocab)
+    ids = document_ids(tokenizer, args.context) if args.text else prompt_ids(vocab, args.context)
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         t_first = last = None
@@ -54,6 +56,15 @@ def prompt_ids(vocab: int, length: int, seed: int = 0) -> list[int]:
     """A reproducible prompt that avoids the special tokens at the start of the vocabulary."""
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def document_ids(tokenizer, length: int) -> list[int]:
+    """`length` tokens of the sample document, repeated as needed: a real model given random ids may
+    end its answer at once, which leaves no decode to time."""
+    from cpchat.client.settings import bundled
+
+    ids = tokenizer.encode(bundled("sample-doc.txt").read_text(encoding="utf-8"), add_special_tokens=False)
+    return (ids * (length // len(ids) + 1))[:length]
 
 
 if __name__ == "__main__":

@@ -20,14 +20,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cpchat import blas
-from cpchat.bench.baseline import prompt_ids
+from cpchat.bench.baseline import document_ids, prompt_ids
 from cpchat.bench.wirefloor import floor_rates
+from cpchat.checkpoints import CheckpointError
+from cpchat.checkpoints.resolve import DownloadLines, is_checkpoint, model_dir
 from cpchat.client.cluster import TRANSPORTS, Cluster
 from cpchat.client.events import Done, Prefill
 from cpchat.client.launcher import rank_environment
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
-from cpchat.client.settings import REPO_ASSETS, cache_dir
+from cpchat.client.settings import REPO_ASSETS
 from cpchat.core.heuristics import ALGORITHMS
+from cpchat.dirs import cache_dir
 from cpchat.protocol import cpchat_pb2 as pb
 
 MB = 1 << 20
@@ -69,7 +72,8 @@ class Row:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cpchat bench", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a small preset that finishes in about two minutes")
-    p.add_argument("--model", help="mlx-lm model directory (default: a random llama of --hidden/--layers)")
+    p.add_argument("--model", help="mlx-lm model directory, GGUF file, ollama:NAME or smollm2 (default: a "
+                                    "random llama of --hidden/--layers); a real model is prompted with prose")
     p.add_argument("--arch", default="llama", choices=BENCH_ARCHS,
                    help="the random model's family: llama, or a hybrid with linear-attention layers "
                         "(qwen3_5: Gated DeltaNet, nemotron_h: Mamba-2; one full-attention layer in four)")
@@ -142,8 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_heads and kv_heads is None:
         print("cpchat bench: several --kv-heads need --algorithms", file=sys.stderr)
         return 2
-    source = Path(args.model) if args.model else bench_model(args.hidden, args.layers, args.heads, kv_heads,
-                                                             args.arch)
+    if args.model and is_checkpoint(args.model):  # a GGUF file, ollama:NAME or a named model (smollm2)
+        try:
+            source = model_dir(args.model, report=DownloadLines())
+        except CheckpointError as e:
+            print(f"cpchat bench: {e}", file=sys.stderr)
+            return 2
+    else:
+        source = Path(args.model) if args.model else bench_model(args.hidden, args.layers, args.heads,
+                                                                 kv_heads, args.arch)
     model = str(in_form(source, args.form))
     contexts = [int(c) for c in args.contexts.split(",") if c]
     ranks = [int(n) for n in args.ranks.split(",") if n]
@@ -301,7 +312,7 @@ def run_baseline(model: str, context: int, args, blas_choice: str) -> Row:
         str(args.decode),
         "--repeats",
         str(args.repeats),
-    ]
+    ] + (["--text"] if args.model else [])
     if args.pin:
         cmd = ["taskset", "-c", "0"] + cmd
     done = subprocess.run(cmd, capture_output=True, text=True, env=rank_environment(blas_choice), check=True)
@@ -327,7 +338,8 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, 
         bandwidth = ring_link(cluster, 16 * MB)[0] if n > 1 else 0.0
         measured_blas = " / ".join(sorted({r.blas_label for r in cluster.ranks}))
         for context in contexts:
-            ids = prompt_ids(cluster.model.vocab_size, context)
+            ids = document_ids(tokenizer, context) if args.model else prompt_ids(cluster.model.vocab_size,
+                                                                                 context)
             plane = f" {cluster.transport_label}" if n > 1 and transport != "auto" else ""
             system = f"cpchat N={n}{plane}"
             row = Row(system, n, context, blas=measured_blas,

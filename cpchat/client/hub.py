@@ -12,6 +12,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from cpchat.checkpoints import CheckpointError
+from cpchat.checkpoints.resolve import Report, is_checkpoint, model_dir
 from cpchat.client.cluster import BadInput
 
 # What mlx-lm downloads for a model (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS), and its tokenizer part.
@@ -30,13 +32,21 @@ def split_revision(name: str) -> tuple[str, str | None]:
     return repo, revision or None
 
 
-def front_end_copy(model: str, whole_model: bool,
-                   progress: Callable[[int, int], None] | None = None) -> str:
+def front_end_copy(model: str, whole_model: bool, report: Report | None = None,
+                   say: Callable[[str], None] | None = None) -> str:
     """The directory the front end reads `model` (from `resolve_model`) from: a local directory as it
     is; for a hub id, the cached snapshot — the whole model when the ranks are local (they then find it
-    in the same cache), else only the tokenizer."""
+    in the same cache), else only the tokenizer; for a checkpoint (GGUF), its conversion, likewise.
+    `report(phase, done, total)` follows a download ("download", bytes) or a conversion ("convert",
+    tensors); `say` takes the converter's lines."""
+    if is_checkpoint(model):
+        try:
+            return str(model_dir(model, tokenizer_only=not whole_model, report=report, say=say))
+        except CheckpointError as e:
+            raise BadInput(str(e)) from None
     if Path(model).is_absolute():
         return model
+    progress = None if report is None else (lambda done, total: report("download", done, total))
     return str(fetch(model, tokenizer_only=not whole_model, progress=progress))
 
 

@@ -19,9 +19,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from cpchat import blas
+from cpchat.checkpoints import CheckpointError
+from cpchat.checkpoints.named import NAMED
+from cpchat.checkpoints.ollama import is_ollama
+from cpchat.checkpoints.resolve import is_checkpoint, local_gguf
 from cpchat.client.cluster import BadInput
 from cpchat.client.hub import is_hub_id
 from cpchat.core.heuristics import ALGORITHMS
+from cpchat.dirs import cache_dir, config_dir
 
 REPO_ASSETS = Path(__file__).resolve().parents[2] / "assets"
 INSTALLED_ASSETS = Path(__file__).resolve().parents[1] / "bundled"  # assets/ as the wheel maps it
@@ -32,21 +37,6 @@ def bundled(name: str) -> Path:
     carries it, or in assets/ of a source checkout."""
     installed = INSTALLED_ASSETS / name
     return installed if installed.exists() else REPO_ASSETS / name
-
-
-def config_dir() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "cpchat"
-
-
-def data_dir() -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "cpchat"
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "cpchat"
 
 
 @dataclass
@@ -153,11 +143,13 @@ def model_card_summary(model: Path) -> str:
 
 
 def resolve_model(model: str) -> tuple[str, str]:
-    """What the ranks load (an absolute directory, or a hub id they resolve themselves) and a
-    description; touches no network."""
+    """What the ranks load (an absolute directory, a hub id or a checkpoint they resolve themselves)
+    and a description; touches no network."""
     if not model:
         path, description = demo_model()
         return str(path), description
+    if is_checkpoint(model):
+        return checkpoint_spec(model)
     path = Path(model).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
@@ -166,3 +158,20 @@ def resolve_model(model: str) -> tuple[str, str]:
     if is_hub_id(model):
         return model, f"hub model {model}"
     raise BadInput(f"model path {model} does not exist")
+
+
+def checkpoint_spec(model: str) -> tuple[str, str]:
+    """A GGUF file (absolute, its header checked here: a bad file is refused before any rank starts),
+    an Ollama model or a named one, as the ranks are to be given it."""
+    from cpchat.checkpoints.gguf_file import read_gguf
+
+    if model in NAMED:
+        return model, NAMED[model].about
+    try:
+        path = local_gguf(model)
+        read_gguf(path).close()
+    except CheckpointError as e:
+        raise BadInput(str(e)) from None
+    if is_ollama(model):
+        return model, f"Ollama model {model.removeprefix('ollama:')}"
+    return str(path.resolve()), str(path)

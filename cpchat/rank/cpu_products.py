@@ -34,9 +34,13 @@ class Float32QuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if _rows(x) < MIN_ROWS:
             return super().__call__(x)
-        w = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
-                          bits=self.bits, mode=self.mode)
-        y = x.astype(mx.float32) @ w.astype(mx.float32).T
+        # Scales in float32: dequantizing in their own dtype rounds every weight to it (float16 GGUF
+        # scales lose 3 digits), where MLX's native kernel multiplies in the activations' float32.
+        biases = self.get("biases")
+        w = mx.dequantize(self["weight"], self["scales"].astype(mx.float32),
+                          None if biases is None else biases.astype(mx.float32),
+                          group_size=self.group_size, bits=self.bits, mode=self.mode)
+        y = x.astype(mx.float32) @ w.T
         if "bias" in self:
             y = y + self["bias"]
         return y.astype(x.dtype)

@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from cpchat.checkpoints.resolve import is_checkpoint, model_dir
 from cpchat.core.attention import partial_attention
 from cpchat.core.estimate import PrefillCost, line_through
 from cpchat.core.sharding import head_tail_layout, owner_of
@@ -64,10 +65,12 @@ class ModelInfo:
 
 
 def load_model(name: str):
-    """Load with mlx-lm (a directory, or a hub id `ORG/NAME[@revision]` resolved on this machine),
-    install ring attention, and find out what each layer's attention needs."""
+    """Load with mlx-lm (a directory, a hub id `ORG/NAME[@revision]` or a checkpoint to convert, each
+    resolved on this machine), install ring attention, and find out what each layer's attention needs."""
     from mlx_lm import load
 
+    if is_checkpoint(name):  # a GGUF file, an Ollama model or a named one: converted on this machine
+        name = str(model_dir(name))
     path, revision = (name, None) if Path(name).exists() else _split_revision(name)
     try:
         model, _tokenizer, config = load(path, return_config=True, revision=revision)

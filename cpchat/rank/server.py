@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cpchat import blas
+from cpchat.checkpoints import CheckpointError
 from cpchat.core.estimate import PrefillCost
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
@@ -455,6 +456,9 @@ class ControlServicer(pb_grpc.ControlServicer):
                 self.s.state = "ready" if self.s.engine.model is not None else "idle"  # the old model stays
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{e} (not supported for context parallelism)")
+            except CheckpointError as e:  # a GGUF file that cannot be converted: the message names it
+                self.s.state = "ready" if self.s.engine.model is not None else "idle"
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except Exception as e:  # noqa: BLE001 - any load failure is reported, not raised
                 self.s.state = "ready" if self.s.engine.model is not None else "idle"
                 context.abort(grpc.StatusCode.NOT_FOUND, f"cannot load model {request.model!r}: {e}")

@@ -17,7 +17,8 @@ from textual.screen import Screen
 from cpchat import EXIT_USAGE
 from cpchat.client.cluster import BadInput, Cluster
 from cpchat.client.connect import ClusterOptions
-from cpchat.client.settings import Settings, data_dir, resolve_model, resolve_settings
+from cpchat.client.settings import Settings, resolve_model, resolve_settings
+from cpchat.dirs import data_dir
 from cpchat.tui.chat import ChatScreen
 from cpchat.tui.conversations import AmbiguousConversation, UnknownConversation, resume_path
 from cpchat.tui.screens import HelpScreen

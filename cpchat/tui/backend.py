@@ -1,7 +1,8 @@
 """The ranks, tokenizer and session behind a chat screen, with blocking methods for its workers.
 
 No widgets here: ChatScreen's thread workers call these methods and post what came of them. Progress
-goes through `report(phase, done, total)`; phases are the work bar's ("download", "connect", "load").
+goes through `report(phase, done, total)`; phases are the work bar's ("download", "convert", "connect",
+"load").
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Backend:
         self.tokenizer = None
         self.session: Session | None = None
         self.closing = threading.Event()
+        self.notes: list[str] = []  # lines for the user from the work (what a GGUF conversion did)
 
     def start(self, report: Report) -> str:
         """Launch or attach the ranks and load the model and its tokenizer; returns the built-in
@@ -84,6 +86,10 @@ class Backend:
             raise
         self.model_path, self.tokenizer_dir, self.tokenizer = model_path, tokenizer_dir, tokenizer
 
+    def take_notes(self) -> list[str]:
+        notes, self.notes = self.notes, []
+        return notes
+
     def session_for(self, messages: list[Message]) -> Session:
         """The session on the current ranks: a new one, with `messages`, for a new tokenizer (a new or
         switched model), otherwise the same one."""
@@ -104,9 +110,13 @@ class Backend:
             self.cluster.close()
 
     def _fetch(self, model_path: str, report: Report) -> str | None:
-        """A hub model's files for the front end: the whole model when the ranks are ours."""
-        return front_end_copy(model_path, whole_model=not self.options.attached,
-                              progress=lambda done, total: report("download", done >> 20, total >> 20))
+        """A hub model's files (or a GGUF's conversion) for the front end: the whole model when the
+        ranks are ours. The converter's lines (what it requantized) go to `notes`."""
+        def progress(phase: str, done: int, total: int) -> None:
+            report(phase, *((done >> 20, total >> 20) if phase == "download" else (done, total)))
+
+        return front_end_copy(model_path, whole_model=not self.options.attached, report=progress,
+                              say=self.notes.append)
 
     def _load(self, model_path: str, report: Report) -> None:
         assert self.cluster is not None

@@ -29,9 +29,10 @@ from cpchat.client.documents import Document, DocumentCancelled, read_document, 
 from cpchat.client.events import Done, Prefill, Progress, RankStats, Token
 from cpchat.client.session import Message as SessionMessage
 from cpchat.client.session import Turn
-from cpchat.client.settings import Settings, data_dir
+from cpchat.client.settings import Settings
 from cpchat.core.estimate import human_duration
 from cpchat.core.heuristics import ALGORITHMS
+from cpchat.dirs import data_dir
 from cpchat.tui.backend import Backend
 from cpchat.tui.commands import COMMANDS, Command, parse_slash
 from cpchat.tui.messages import (
@@ -67,8 +68,8 @@ from cpchat.tui.widgets import (
 )
 
 NARROW_BELOW = 110  # columns: the side panels take 48, the conversation keeps at least 62
-WORK_LABELS = {"download": "Downloading model, MiB", "connect": "Starting ranks",
-               "load": "Loading model on ranks", "prefill": "Prefill, tokens"}
+WORK_LABELS = {"download": "Downloading model, MiB", "convert": "Converting GGUF, tensors",
+               "connect": "Starting ranks", "load": "Loading model on ranks", "prefill": "Prefill, tokens"}
 
 
 def shown(entry: Entry) -> ChatMessage:
@@ -183,6 +184,7 @@ class ChatScreen(Screen):
         """Connect (or launch) and load; a failure here ends the app with a one-line message."""
         try:
             description = self.backend.start(self._report)
+            self._post_notes()
             if not self.backend.closing.is_set():
                 self.post_message(self._ready_message(description))
         except BadInput as e:
@@ -197,6 +199,10 @@ class ChatScreen(Screen):
             for r in cluster.ranks:
                 self.post_message(StatsArrived(RankStats(r.rank, r.address, "loading")))
         self.post_message(WorkProgress(phase, done, total))
+
+    def _post_notes(self) -> None:
+        for note in self.backend.take_notes():
+            self.post_message(Notice(note[0].upper() + note[1:], timeout=10))
 
     def _ready_message(self, description: str = "") -> BackendReady:
         cluster = self.backend.cluster
@@ -697,6 +703,7 @@ class ChatScreen(Screen):
         next turn re-reads the conversation with the new model."""
         try:
             self.backend.switch_model(model, self._report)
+            self._post_notes()
         except BadInput as e:
             self.post_message(Notice(f"could not switch to {model}: {e}", "error"))
             self.post_message(self._ready_message())

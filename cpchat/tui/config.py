@@ -7,7 +7,8 @@ import sys
 from dataclasses import fields
 
 from cpchat.client.cluster import BadInput
-from cpchat.client.settings import Settings, config_dir, data_dir, resolve_settings
+from cpchat.client.settings import Settings, resolve_settings
+from cpchat.dirs import config_dir, data_dir
 
 
 def format_config(settings: Settings) -> str:

@@ -53,8 +53,9 @@ message with its file name. A prompt past the model's context asks first.
 `auto` chose it, with the last ring pass per step. *Throughput*: time to first
 token, prefill and decode rates, and context used.
 
-**Commands.** `/attach PATH`, `/model PATH_OR_ID` (switch every rank to another model, keeping the
-conversation), `/algorithm auto|pass_kv|pass_q|all_gather|ulysses`, `/clear`, `/export`, `/relaunch`, `/help`.
+**Commands.** `/attach PATH`, `/model MODEL` (switch every rank to another model, keeping the
+conversation: a directory, a hub id, a GGUF file, `ollama:NAME[:TAG]` or `smollm2`),
+`/algorithm auto|pass_kv|pass_q|all_gather|ulysses`, `/clear`, `/export`, `/relaunch`, `/help`.
 
 Transcripts are saved as they grow; `cpchat --list` lists them and `cpchat --resume [ID]` reopens
 one (the last without an ID).
@@ -164,7 +165,8 @@ class ContextBudget(ModalScreen[str | None]):
 
 
 class ModelPrompt(ModalScreen[str | None]):
-    """Asks for the model to switch to (a directory or a hub id); dismisses with it or None."""
+    """Asks for the model to switch to (a directory, hub id, GGUF file, ollama:NAME or smollm2);
+    dismisses with it or None."""
 
     BINDINGS = [Binding("escape", "cancel", "Back")]
 
@@ -175,7 +177,8 @@ class ModelPrompt(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="model-dialog"):
             yield Label(f"Switch every rank from {self.current} to (the conversation stays):")
-            yield Input(placeholder="an mlx-lm model directory or ORG/NAME[@revision]", id="model-input")
+            yield Input(placeholder="a model directory, ORG/NAME[@rev], FILE.gguf, ollama:NAME or smollm2",
+                        id="model-input")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()

@@ -1,0 +1,22 @@
+"""The user's directories for cpchat (XDG): configuration, data (transcripts) and caches (converted
+and downloaded models). The front end and the ranks both use them; a rank uses its own machine's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def config_dir() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "cpchat"
+
+
+def data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "cpchat"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "cpchat"
