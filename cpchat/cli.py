@@ -8,9 +8,10 @@ import os
 import sys
 
 from cpchat import EXIT_OK, EXIT_USAGE, __version__, blas
-from cpchat.client.cluster import TRANSPORTS, BadInput
+from cpchat.client.cluster import TRANSPORTS
 from cpchat.client.connect import ClusterOptions, read_bytes, read_token
 from cpchat.core.heuristics import ALGORITHMS
+from cpchat.errors import BadInput
 
 
 def app_parser() -> argparse.ArgumentParser:
@@ -147,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return print_architectures()
     if args.list:
+        from cpchat.client.conversations import print_conversations
         from cpchat.dirs import data_dir
-        from cpchat.tui.conversations import print_conversations
 
         return print_conversations(data_dir() / "transcripts")
     if args.print_config:

@@ -12,13 +12,13 @@ from pathlib import Path
 
 from cpchat import EXIT_BACKEND, EXIT_OK, EXIT_USAGE
 from cpchat.checkpoints.resolve import DownloadLines
-from cpchat.client.cluster import BackendError, BadInput
 from cpchat.client.connect import ClusterOptions, connect_cluster
 from cpchat.client.events import EVENT_NAMES, Error, Progress, RankAddress, Ready, Token
 from cpchat.client.hub import front_end_copy
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.client.settings import resolve_model, resolve_settings
 from cpchat.core.estimate import human_duration
+from cpchat.errors import BackendError, BadInput
 
 LONG_PREFILL_S = 30  # a prefill longer than this is announced on stderr, with its estimate
 

@@ -7,7 +7,7 @@ import pytest
 from helpers import next_turn, random_prompt, raw_session, reference_generate, run_raw
 from test_exactness import assert_same
 
-from cpchat.client.cluster import BadInput
+from cpchat.errors import BadInput
 from cpchat.smallmodels import ARCHITECTURES, LLAMA3_ROPE_SCALING, write_model
 
 REFUSED = {  # name -> (model type, options, what the refusal says)

@@ -15,7 +15,8 @@ from rankprocs import start_ranks
 from cpchat import blas
 from cpchat.bench.run import main as bench_main
 from cpchat.cli import main as cli_main
-from cpchat.client.cluster import BadInput, Cluster
+from cpchat.client.cluster import Cluster
+from cpchat.errors import BadInput
 
 NAMES = {"openblas": "OpenBLAS", "mkl": "oneMKL"}
 DETECT = ("import json, dataclasses; from cpchat.blas import in_use; "

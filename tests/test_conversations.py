@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cpchat.cli import app_parser, main
-from cpchat.tui.conversations import (
+from cpchat.client.conversations import (
     RESUME_LAST,
     AmbiguousConversation,
     ConversationSummary,
@@ -27,7 +27,7 @@ from cpchat.tui.conversations import (
     rename_conversation,
     resume_path,
 )
-from cpchat.tui.store import BIG_LINE, Entry, TranscriptStore
+from cpchat.client.transcripts import BIG_LINE, Entry, TranscriptStore
 
 DAY = 86_400
 ROOT = Path(__file__).resolve().parents[1]

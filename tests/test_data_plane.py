@@ -15,7 +15,8 @@ from helpers import next_turn, random_prompt, raw_session, reference_generate, r
 from rankprocs import CPCHAT, start_ranks, stop_all, write_token
 from test_exactness import ALGORITHMS, assert_same
 
-from cpchat.client.cluster import BackendError, BadInput, Cluster
+from cpchat.client.cluster import Cluster
+from cpchat.errors import BackendError, BadInput
 from cpchat.protocol import cpchat_pb2 as pb
 
 DETECT_S = 5.0

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from rankprocs import CPCHAT
 
-from cpchat.client.cluster import BadInput, Cluster
+from cpchat.client.cluster import Cluster
 from cpchat.client.launcher import rank_devices, visible_gpus
+from cpchat.errors import BadInput
 
 
 def environ_of(pid: int) -> dict[str, str]:

@@ -11,8 +11,8 @@ import pytest
 from makedocs import encrypt_pdf, write_docx, write_epub, write_pdf
 
 from cpchat.client import documents
-from cpchat.client.cluster import BadInput
 from cpchat.client.documents import DocumentCancelled, read_document, render_user_turn
+from cpchat.errors import BadInput
 
 FACT = "The access code for the Cedar mill is 7712-MR."
 

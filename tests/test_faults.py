@@ -17,7 +17,8 @@ import pytest
 from helpers import random_prompt, reference_generate, reference_model, run_raw
 from rankprocs import CPCHAT, RankProc, start_ranks, stop_all, write_token
 
-from cpchat.client.cluster import BackendError, Cluster
+from cpchat.client.cluster import Cluster
+from cpchat.errors import BackendError
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.smallmodels import write_model
 

@@ -12,7 +12,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from rankprocs import start_ranks, stop_all, write_token
 
-from cpchat.client.cluster import BadInput, Cluster
+from cpchat.client.cluster import Cluster
+from cpchat.errors import BadInput
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.server import TOKEN_HEADER, serving
 

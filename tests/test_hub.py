@@ -12,7 +12,7 @@ from helpers import reference_generate, reference_model
 from test_headless import one_line_error, run
 
 from cpchat.client import hub
-from cpchat.client.cluster import BadInput
+from cpchat.errors import BadInput
 
 MAIN, V2 = "1" * 40, "2" * 40  # commit hashes of two snapshots
 

@@ -22,7 +22,8 @@ import pytest
 from helpers import reference_generate, reference_model
 from rankprocs import CPCHAT, RankProc, ranks_started_with, start_ranks, stop_all, wait_gone, write_token
 
-from cpchat.client.cluster import BackendError, Cluster
+from cpchat.client.cluster import Cluster
+from cpchat.errors import BackendError
 from cpchat.protocol import cpchat_pb2 as pb
 
 SUBNET = ipaddress.ip_network("10.200.0.0/24")

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rankprocs import CPCHAT, make_certs, start_ranks, stop_all, write_token
 
-from cpchat.client.cluster import BackendError, BadInput, Cluster
+from cpchat.client.cluster import Cluster
+from cpchat.errors import BackendError, BadInput
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 from cpchat.rank.wire import CHUNK_BYTES, DTYPES

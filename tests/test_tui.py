@@ -21,11 +21,11 @@ from textual.widgets import Label, Markdown, Static
 from cpchat.cli import main
 from cpchat.client.cluster import Cluster
 from cpchat.client.settings import Settings
+from cpchat.client.transcripts import TranscriptStore
 from cpchat.smallmodels import write_model
 from cpchat.tui.app import CpchatApp
 from cpchat.tui.chat import ChatScreen
 from cpchat.tui.screens import AttachmentsScreen, ContextBudget, ConversationsScreen, HelpScreen, ModelPrompt
-from cpchat.tui.store import TranscriptStore
 from cpchat.tui.widgets import (
     AttachmentChip,
     BigText,

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cpchat.client.transcripts import Entry, TranscriptStore
 from cpchat.tui.format import bar, human_bytes
 from cpchat.tui.paths import parse_dropped_paths, split_paste
-from cpchat.tui.store import Entry, TranscriptStore
 
 
 @pytest.fixture

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from cpchat.client.cluster import ModelInfo
+from cpchat.client.cluster import ServedModel
 from cpchat.client.documents import Document, Section
 from cpchat.client.events import AlgorithmChoice, Prefill, RankStats, RingStep
 from cpchat.client.settings import Settings
+from cpchat.client.transcripts import Entry
 from cpchat.tui.app import CpchatApp
 from cpchat.tui.messages import (
     BackendReady,
@@ -27,11 +28,10 @@ from cpchat.tui.messages import (
     WorkProgress,
 )
 from cpchat.tui.screens import ContextBudget
-from cpchat.tui.store import Entry
 from cpchat.tui.widgets import ChatInput, ThroughputPanel
 
 SIZE = (140, 44)
-MODEL = ModelInfo("demo-model", "llama", 4, 4, 2, 512, 4, 131072)
+MODEL = ServedModel("demo-model", "llama", 4, 4, 2, 512, 4, 131072)
 RANKS = [RankInfo(0, "127.0.0.1:7070"), RankInfo(1, "127.0.0.1:7071")]
 DOC_TEXT = "Chapter 1\n\nThe vault code is 4812-KX.\n" * 300
 CHOICE = AlgorithmChoice("pass_kv", False, 9120, 0, 1.0,

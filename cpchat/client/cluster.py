@@ -18,6 +18,7 @@ from cpchat.blas import BlasInfo, BlasUnavailable
 from cpchat.client.events import RankStats, RingStep
 from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks, rank_devices, visible_gpus
 from cpchat.core.estimate import PrefillCost
+from cpchat.errors import BackendError, BadInput
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 
@@ -40,16 +41,10 @@ CHANNEL_OPTIONS = [
 ]
 
 
-class BackendError(RuntimeError):
-    """A rank failed, stopped answering, or refused; the message names it."""
-
-
-class BadInput(ValueError):
-    """The user asked for something that cannot work (bad model path, bad address)."""
-
-
 @dataclass
-class ModelInfo:
+class ServedModel:
+    """The model every rank has loaded, as their LoadModel replies describe it."""
+
     name: str
     model_type: str
     num_layers: int
@@ -156,7 +151,7 @@ class Cluster:
             handle = RankHandle(i, address, channel, pb_grpc.ControlStub(channel))
             handle.local = local[i] if local else None
             self.ranks.append(handle)
-        self.model: ModelInfo | None = None
+        self.model: ServedModel | None = None
         self.flops_per_s = 0.0
         self.ring_bytes_per_s = 0.0
         self.link_latency_s: list[list[float]] = []  # [from rank][to rank], one way
@@ -320,7 +315,7 @@ class Cluster:
         return (f"{who} with the reference BLAS of the mlx[cpu] wheel, 20-30x slower than "
                 f"OpenBLAS; install a fast one and restart: {slow[0].blas.fix}")
 
-    def load(self, model: str, on_progress: Callable[[int, int], None] | None = None) -> ModelInfo:
+    def load(self, model: str, on_progress: Callable[[int, int], None] | None = None) -> ServedModel:
         """Load the model on every rank (each from its own disk)."""
         done = [0]
         lock = threading.Lock()
@@ -345,7 +340,7 @@ class Cluster:
             return last
 
         p = self._each(load_one)[0]
-        self.model = ModelInfo(model, p.model_type, p.num_layers, p.num_q_heads, p.num_kv_heads,
+        self.model = ServedModel(model, p.model_type, p.num_layers, p.num_q_heads, p.num_kv_heads,
                                p.vocab_size, p.bytes_per_element, p.max_context, p.head_dim, p.value_dim,
                                p.state_layers)
         self.calibrate()

@@ -9,9 +9,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpchat.client.cluster import BackendError, BadInput, Cluster, parse_addresses, read_hostfile
+from cpchat.client.cluster import Cluster, parse_addresses, read_hostfile
 from cpchat.client.launcher import LaunchError
 from cpchat.client.remote import launch_remote_ranks, parse_hosts
+from cpchat.errors import BackendError, BadInput
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpchat.client.cluster import BadInput
 from cpchat.client.folders import ListingCancelled, list_folder
 from cpchat.client.formats import Progress, ReadCancelled, Steps, Unreadable, extract
+from cpchat.errors import BadInput
 
 MAX_FILE_BYTES = 256 << 20  # a file on disk (a PDF of scans can be large; its text is what counts)
 MAX_FOLDER_TEXT = 8_000_000  # characters of a folder's text: millions of tokens, past any model's context

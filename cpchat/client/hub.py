@@ -14,7 +14,7 @@ from pathlib import Path
 
 from cpchat.checkpoints import CheckpointError
 from cpchat.checkpoints.resolve import Report, is_checkpoint, model_dir
-from cpchat.client.cluster import BadInput
+from cpchat.errors import BadInput
 
 # What mlx-lm downloads for a model (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS), and its tokenizer part.
 MODEL_FILES = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model",

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpchat.client.cluster import BadInput, Cluster
+from cpchat.client.cluster import Cluster
 from cpchat.client.documents import Document, read_document, render_user_turn
 from cpchat.client.events import (
     AlgorithmChoice,
@@ -22,6 +22,7 @@ from cpchat.client.events import (
     Token,
 )
 from cpchat.core.heuristics import Measured, Workload, choose_algorithm, choose_decode
+from cpchat.errors import BadInput
 from cpchat.protocol import cpchat_pb2 as pb
 
 Event = Prefill | Progress | Token | Done

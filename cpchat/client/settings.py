@@ -23,10 +23,10 @@ from cpchat.checkpoints import CheckpointError
 from cpchat.checkpoints.named import NAMED
 from cpchat.checkpoints.ollama import is_ollama
 from cpchat.checkpoints.resolve import is_checkpoint, local_gguf
-from cpchat.client.cluster import BadInput
 from cpchat.client.hub import is_hub_id
 from cpchat.core.heuristics import ALGORITHMS
 from cpchat.dirs import cache_dir, config_dir
+from cpchat.errors import BadInput
 
 REPO_ASSETS = Path(__file__).resolve().parents[2] / "assets"
 INSTALLED_ASSETS = Path(__file__).resolve().parents[1] / "bundled"  # assets/ as the wheel maps it

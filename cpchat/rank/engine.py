@@ -42,7 +42,9 @@ PREFILL_MODES = {pb.ALGORITHM_UNSPECIFIED: "pass_kv", pb.PASS_KV: "pass_kv", pb.
 
 
 @dataclass
-class ModelInfo:
+class ModelShape:
+    """What this rank found in the model it loaded: head counts and sizes, and each layer's needs."""
+
     model_type: str
     num_layers: int  # layers with a cache: attention layers (KV) and linear layers (a recurrent state)
     num_q_heads: int
@@ -89,7 +91,7 @@ def load_model(name: str):
         use_float32_products(model)
     layers = fit.describe_layers(model, _probe_forward(model))
     first = next(layer for layer in layers if isinstance(layer, LayerAttention))  # cache_slots saw one
-    info = ModelInfo(
+    info = ModelShape(
         model_type=config.get("model_type", fit.model_name(model)),
         num_layers=len(layers),
         num_q_heads=first.query_heads,
@@ -141,7 +143,7 @@ def _probe_forward(model, chunk: int = 3) -> fit.ProbeResult:
     return fit.ProbeResult(slots, ring_pass.calls, kv, ring_pass.recurrences, ring_pass.states)
 
 
-def measure_prefill(model, info: ModelInfo) -> PrefillCost:
+def measure_prefill(model, info: ModelShape) -> PrefillCost:
     """Time this model here: a forward of 8 tokens and one long enough to take about 0.3 s more
     (40 to 1024 tokens) for the weights' work, and attention of 1024 queries over 2048 keys (all
     visible: a prefill's tiles are that large) for each query-key pair's."""
@@ -201,7 +203,7 @@ class Engine:
 
     def __init__(self) -> None:
         self.model = None
-        self.info: ModelInfo | None = None
+        self.info: ModelShape | None = None
         self.kv: KVShard | None = None
         self.states = StateStore()
         self.total_tokens = 0  # tokens the whole ring holds
@@ -209,7 +211,7 @@ class Engine:
         self.last_algorithm = ""
         self.prefill_cost = PrefillCost(0, 0, 0)  # of the loaded model, measured once when it loads
 
-    def load(self, path: str) -> ModelInfo:
+    def load(self, path: str) -> ModelShape:
         self.model, self.info = load_model(path)
         self.prefill_cost = measure_prefill(self.model, self.info)
         self.kv = KVShard(self.info.num_layers, self.info.linear)

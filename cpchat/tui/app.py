@@ -15,12 +15,13 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from cpchat import EXIT_USAGE
-from cpchat.client.cluster import BadInput, Cluster
+from cpchat.client.cluster import Cluster
 from cpchat.client.connect import ClusterOptions
+from cpchat.client.conversations import AmbiguousConversation, UnknownConversation, resume_path
 from cpchat.client.settings import Settings, resolve_model, resolve_settings
 from cpchat.dirs import data_dir
+from cpchat.errors import BadInput
 from cpchat.tui.chat import ChatScreen
-from cpchat.tui.conversations import AmbiguousConversation, UnknownConversation, resume_path
 from cpchat.tui.screens import HelpScreen
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from cpchat.client.cluster import BackendError, BadInput, Cluster
+from cpchat.client.cluster import Cluster
 from cpchat.client.connect import ClusterOptions, connect_cluster
 from cpchat.client.hub import front_end_copy
 from cpchat.client.session import Message, SamplingOptions, Session, load_tokenizer
 from cpchat.client.settings import Settings, resolve_model
+from cpchat.errors import BackendError, BadInput
 
 Report = Callable[[str, int, int], None]
 

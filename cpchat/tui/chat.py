@@ -23,16 +23,18 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Markdown
 
 from cpchat import EXIT_BACKEND, EXIT_USAGE
-from cpchat.client.cluster import BackendError, BadInput, Cluster, ModelInfo
+from cpchat.client.cluster import Cluster, ServedModel
 from cpchat.client.connect import ClusterOptions
 from cpchat.client.documents import Document, DocumentCancelled, read_document, render_sections
 from cpchat.client.events import Done, Prefill, Progress, RankStats, Token
 from cpchat.client.session import Message as SessionMessage
 from cpchat.client.session import Turn
 from cpchat.client.settings import Settings
+from cpchat.client.transcripts import Entry, TranscriptStore
 from cpchat.core.estimate import human_duration
 from cpchat.core.heuristics import ALGORITHMS
 from cpchat.dirs import data_dir
+from cpchat.errors import BackendError, BadInput
 from cpchat.tui.backend import Backend
 from cpchat.tui.commands import COMMANDS, Command, parse_slash
 from cpchat.tui.messages import (
@@ -53,7 +55,6 @@ from cpchat.tui.messages import (
 from cpchat.tui.paths import split_paste
 from cpchat.tui.prefs import load_panels, save_panels
 from cpchat.tui.screens import AttachmentsScreen, ContextBudget, ConversationsScreen, FilePicker, ModelPrompt
-from cpchat.tui.store import Entry, TranscriptStore
 from cpchat.tui.widgets import (
     AttachmentBar,
     AttachmentChip,
@@ -117,7 +118,7 @@ class ChatScreen(Screen):
         self.settings = settings
         self.backend = Backend(settings, options or ClusterOptions(), cluster, model_path)
         self.resume, self.start_backend = resume, start_backend
-        self.model: ModelInfo | None = None
+        self.model: ServedModel | None = None
         self.entries: list[Entry] = []
         self.store = TranscriptStore(transcripts or data_dir() / "transcripts")
         self.turns_done = 0

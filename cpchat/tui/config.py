@@ -6,9 +6,9 @@ import argparse
 import sys
 from dataclasses import fields
 
-from cpchat.client.cluster import BadInput
 from cpchat.client.settings import Settings, resolve_settings
 from cpchat.dirs import config_dir, data_dir
+from cpchat.errors import BadInput
 
 
 def format_config(settings: Settings) -> str:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
-from cpchat.client.cluster import ModelInfo
+from cpchat.client.cluster import ServedModel
 from cpchat.client.events import AlgorithmChoice, Done, Prefill, RankStats
 from cpchat.client.session import Turn
 
@@ -27,7 +27,7 @@ class RankInfo:
 class BackendReady(Message):
     """The ring is formed and the model loaded on every rank."""
 
-    def __init__(self, model: ModelInfo, ranks: list[RankInfo], description: str = "",
+    def __init__(self, model: ServedModel, ranks: list[RankInfo], description: str = "",
                  blas_warning: str | None = None, transport: str = "") -> None:
         super().__init__()
         self.model, self.ranks, self.description = model, ranks, description

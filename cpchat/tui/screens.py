@@ -14,13 +14,13 @@ from textual.widgets import Button, DirectoryTree, Input, Label, Markdown, Optio
 from textual.widgets.option_list import Option
 
 from cpchat import __version__
-from cpchat.client.documents import Document
-from cpchat.tui.conversations import (
+from cpchat.client.conversations import (
     ConversationSummary,
     delete_conversation,
     list_conversations,
     rename_conversation,
 )
+from cpchat.client.documents import Document
 from cpchat.tui.format import human_bytes, human_count
 
 HELP = f"""\

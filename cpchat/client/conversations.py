@@ -1,5 +1,5 @@
 """Saved conversations as lists show them: summaries read quickly from the transcript files, and
-finding, renaming and deleting one by its id (cpchat.tui.store writes and reads the files)."""
+finding, renaming and deleting one by its id (cpchat.client.transcripts writes and reads the files)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from cpchat.tui.store import (
+from cpchat.client.transcripts import (
     Entry,
     TranscriptStore,
     append_lines,
