@@ -10,7 +10,7 @@ import sys
 from cpchat import EXIT_OK, EXIT_USAGE, __version__, blas
 from cpchat.client.cluster import TRANSPORTS
 from cpchat.client.connect import ClusterOptions, read_bytes, read_token
-from cpchat.core.heuristics import ALGORITHMS
+from cpchat.core.algorithms import ALGORITHMS
 from cpchat.errors import BadInput
 
 

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cpchat.core.algorithms import PREFILL_ALGORITHMS
 from cpchat.core.heuristics import (
-    PREFILL_ALGORITHMS,
     Measured,
     Workload,
     choose_algorithm,

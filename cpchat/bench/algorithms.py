@@ -25,9 +25,9 @@ from cpchat.bench.run import bench_model, in_form, pyplot
 from cpchat.client.cluster import Cluster
 from cpchat.client.events import AlgorithmChoice, Done, Prefill
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
-from cpchat.core.heuristics import DECODE_EXCHANGES, NAMES, PREFILL_ALGORITHMS, decode_estimates
+from cpchat.core.algorithms import DECODE_EXCHANGES, PREFILL_ALGORITHMS, title
+from cpchat.core.heuristics import decode_estimates
 
-COLUMN = {**NAMES, "auto": "auto"}  # table headings
 RUN_ORDER = (*PREFILL_ALGORITHMS, "auto")  # auto last: its column follows those it chooses from
 
 
@@ -292,7 +292,7 @@ def decode_row(cluster: Cluster, tokenizer, variant: Variant, context: int, exch
 
 
 def report_cell(cell: PrefillCell) -> None:
-    times = ", ".join(f"{COLUMN[a]} {cell.best_ms(a):.0f}" for a in cell.ttft_ms)
+    times = ", ".join(f"{title(a)} {cell.best_ms(a):.0f}" for a in cell.ttft_ms)
     gap = f"{cell.auto_gap_pct:.0f}%" if cell.auto_gap_pct is not None else "n/a"
     print(f"  {cell.variant.model} N={cell.ranks} ctx={cell.context}: TTFT ms {times}; "
           f"fastest {cell.fastest}, auto picks {cell.auto_pick} (gap {gap})", file=sys.stderr, flush=True)
@@ -328,7 +328,7 @@ def _ms(value: float | None) -> str:
 def prefill_table(cells: list[PrefillCell]) -> list[str]:
     algorithms = [a for a in RUN_ORDER if any(a in c.ttft_ms for c in cells)]
     lines = [
-        "| model | heads q:kv | N | context | " + " | ".join(COLUMN[a] for a in algorithms)
+        "| model | heads q:kv | N | context | " + " | ".join(title(a) for a in algorithms)
         + " | best | auto's pick | auto gap |",
         "|---|---|---:|---:|" + "---:|" * len(algorithms) + "---|---|---:|",
     ]
@@ -338,15 +338,15 @@ def prefill_table(cells: list[PrefillCell]) -> list[str]:
             mark = "" if a != "auto" or c.auto_consistent else f" (ran {', '.join(c.auto_ran)})"
             times.append(_ms(c.best_ms(a)) + mark)
         gap = f"{c.auto_gap_pct:.1f}%" if c.auto_gap_pct is not None else "n/a"
-        best = COLUMN[c.fastest] if c.fastest else ""
+        best = title(c.fastest) if c.fastest else ""
         lines.append(f"| {c.variant.model} | {c.variant.heads} | {c.ranks} | {c.context} | "
-                     + " | ".join(times) + f" | {best} | {COLUMN[c.auto_pick]} | {gap} |")
+                     + " | ".join(times) + f" | {best} | {title(c.auto_pick)} | {gap} |")
     return lines
 
 
 def estimate_table(cells: list[PrefillCell]) -> list[str]:
     lines = [
-        "| model | heads q:kv | N | context | " + " | ".join(COLUMN[a] for a in PREFILL_ALGORITHMS)
+        "| model | heads q:kv | N | context | " + " | ".join(title(a) for a in PREFILL_ALGORITHMS)
         + " | auto's reason |",
         "|---|---|---:|---:|" + "---:|" * len(PREFILL_ALGORITHMS) + "---|",
     ]
@@ -452,6 +452,6 @@ def write_chart(path: Path, cells: list[PrefillCell]) -> None:
     ax.set_ylabel("TTFT / fastest (outlined: auto's pick)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(handles=[Patch(color=f"C{k}", label=COLUMN[a]) for k, a in enumerate(algorithms)])
+    ax.legend(handles=[Patch(color=f"C{k}", label=title(a)) for k, a in enumerate(algorithms)])
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -29,7 +29,7 @@ from cpchat.client.events import Done, Prefill
 from cpchat.client.launcher import rank_environment
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.client.settings import REPO_ASSETS
-from cpchat.core.heuristics import ALGORITHMS
+from cpchat.core.algorithms import ALGORITHMS
 from cpchat.dirs import cache_dir
 from cpchat.protocol import cpchat_pb2 as pb
 

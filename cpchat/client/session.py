@@ -21,13 +21,13 @@ from cpchat.client.events import (
     RankUsage,
     Token,
 )
+from cpchat.core.algorithms import BY_NAME
 from cpchat.core.heuristics import Measured, Workload, choose_algorithm, choose_decode
 from cpchat.errors import BadInput
 from cpchat.protocol import cpchat_pb2 as pb
 
 Event = Prefill | Progress | Token | Done
-WIRE_ALGORITHMS = {"pass_kv": pb.PASS_KV, "pass_q": pb.PASS_Q, "all_gather": pb.ALL_GATHER,
-                   "ulysses": pb.ULYSSES}
+
 PROGRESS_INTERVAL_S = 0.25  # prefill progress at most 4 times a second (and once at its end)
 
 
@@ -263,11 +263,11 @@ class Session:
         request = pb.GenerateRequest(
             keep_tokens=keep,
             tokens=new,
-            algorithm=WIRE_ALGORITHMS[choice.algorithm],
+            algorithm=pb.Algorithm.Value(BY_NAME[choice.algorithm].wire),
             max_tokens=self.sampling.max_tokens if max_tokens is None else max_tokens,
             sampling=pb.Sampling(temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed),
             stop_tokens=sorted(self.tokenizer.eos_token_ids),
-            decode=pb.DECODE_RING if self.decode_exchange(len(full)) == "ring" else pb.DECODE_EXCHANGE,
+            decode=pb.Decode.Value(BY_NAME[self.decode_exchange(len(full))].wire),
         )
         self._cancel.clear()
         turn = self.turn_index

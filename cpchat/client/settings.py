@@ -24,7 +24,7 @@ from cpchat.checkpoints.named import NAMED
 from cpchat.checkpoints.ollama import is_ollama
 from cpchat.checkpoints.resolve import is_checkpoint, local_gguf
 from cpchat.client.hub import is_hub_id
-from cpchat.core.heuristics import ALGORITHMS
+from cpchat.core.algorithms import ALGORITHMS
 from cpchat.dirs import cache_dir, config_dir
 from cpchat.errors import BadInput
 

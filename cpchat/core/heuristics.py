@@ -40,12 +40,8 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+from cpchat.core.algorithms import DECODE_EXCHANGES, PREFILL_ALGORITHMS, title
 from cpchat.core.sharding import head_split
-
-PREFILL_ALGORITHMS = ("pass_kv", "pass_q", "all_gather", "ulysses")
-ALGORITHMS = ("auto", *PREFILL_ALGORITHMS)
-DECODE_EXCHANGES = ("exchange", "ring")
-NAMES = {"pass_kv": "pass-KV", "pass_q": "pass-Q", "all_gather": "all-gather", "ulysses": "Ulysses"}
 
 
 @dataclass(frozen=True)
@@ -128,9 +124,9 @@ def choose_algorithm(w: Workload, m: Measured, candidates: tuple[str, ...] = PRE
     if w.ranks == 1:
         return Choice(best, estimates, "one rank: nothing crosses")
     ranked = sorted(estimates, key=estimates.get)
-    runner_up = f", {NAMES[ranked[1]]} {_ms(estimates[ranked[1]])}" if len(ranked) > 1 else ""
+    runner_up = f", {title(ranked[1])} {_ms(estimates[ranked[1]])}" if len(ranked) > 1 else ""
     busy = "" if m.overlap else " (no spare core: transfers add to compute)"
-    return Choice(best, estimates, f"least estimated: {NAMES[best]} {_ms(estimates[best])}{runner_up}{busy}")
+    return Choice(best, estimates, f"least estimated: {title(best)} {_ms(estimates[best])}{runner_up}{busy}")
 
 
 def decode_estimates(w: Workload, m: Measured) -> dict[str, float]:

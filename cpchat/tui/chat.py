@@ -31,8 +31,8 @@ from cpchat.client.session import Message as SessionMessage
 from cpchat.client.session import Turn
 from cpchat.client.settings import Settings
 from cpchat.client.transcripts import Entry, TranscriptStore
+from cpchat.core.algorithms import ALGORITHMS
 from cpchat.core.estimate import human_duration
-from cpchat.core.heuristics import ALGORITHMS
 from cpchat.dirs import data_dir
 from cpchat.errors import BackendError, BadInput
 from cpchat.tui.backend import Backend

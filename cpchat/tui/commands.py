@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpchat.core.heuristics import ALGORITHMS
+from cpchat.core.algorithms import ALGORITHMS
 
 
 @dataclass(frozen=True)

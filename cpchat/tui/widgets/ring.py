@@ -12,7 +12,7 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from cpchat.client.events import AlgorithmChoice, RingStep
-from cpchat.core.heuristics import NAMES
+from cpchat.core.algorithms import title
 from cpchat.tui.format import human_bytes
 
 # A three-row block font for the few letters the algorithm names need.
@@ -37,7 +37,6 @@ GLYPHS = {
 }
 CHART_WIDTH = 16
 # The algorithm in words, for screen readers, copies and logs of the screen (the letters are glyphs).
-ALGORITHM_NAMES = {**NAMES, "auto": "auto"}
 ALGORITHM_WORDS = {
     "pass_kv": "keys and values travel the ring",
     "pass_q": "queries travel the ring",
@@ -146,7 +145,7 @@ class RingPanel(VerticalGroup):
         big = choice.algorithm if choice else self.mode
         self.query_one(BigText).text = big
         self.shown = big
-        words = Text(f"{ALGORITHM_NAMES.get(big, big)}: ", style="bold")
+        words = Text(f"{title(big)}: ", style="bold")
         words.append(ALGORITHM_WORDS.get(big, ""))
         self.query_one("#ring-words", Static).update(words)
         self.border_subtitle = f"mode {self.mode}" + (f" · {self.transport}" if self.transport else "")
@@ -158,7 +157,7 @@ class RingPanel(VerticalGroup):
         else:
             reason.append(f"T {choice.new_tokens} new · P {choice.cached_tokens} cached"
                           f" · miss {choice.miss_rate:.2f}\n")
-            estimates = [f"{ALGORITHM_NAMES[name]} {ms:,.0f}" for name, ms in choice.estimates_ms.items()]
+            estimates = [f"{title(name)} {ms:,.0f}" for name, ms in choice.estimates_ms.items()]
             for i in range(0, len(estimates), 2):  # two a line: the panel is narrow
                 reason.append(("est " if i == 0 else "    ") + " · ".join(estimates[i:i + 2]) + " ms\n")
             if choice.hop_latency_ms:

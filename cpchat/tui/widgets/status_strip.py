@@ -6,9 +6,10 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from cpchat.core.algorithms import title
 from cpchat.tui.format import human_bytes, human_count
 from cpchat.tui.widgets.ranks import RanksPanel
-from cpchat.tui.widgets.ring import ALGORITHM_NAMES, RingPanel
+from cpchat.tui.widgets.ring import RingPanel
 from cpchat.tui.widgets.throughput import ThroughputPanel
 
 
@@ -40,7 +41,7 @@ class StatusStrip(Widget):
         parts = [
             f"{self.ranks} ranks" if self.ranks != 1 else "1 rank",
             f"KV {human_count(self.kv_tokens)} tok {human_bytes(self.kv_bytes)}/rank",
-            ALGORITHM_NAMES.get(self.algorithm, self.algorithm),
+            title(self.algorithm),
             f"TTFT {ttft}",
             rate,
         ]

@@ -1,0 +1,42 @@
+"""The ring algorithms, in one registry: the CLI's choices, the wire values the client sends, the
+function each rank runs, the names the TUI and the bench show. Data only: no rank code is imported
+here; a rank finds `function` under `cpchat.rank.algorithms`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str  # the value of --algorithm, of the config file and of the JSON events
+    title: str  # as the TUI and the bench show it
+    stage: str  # "prefill" (a prompt's attention) or "decode" (one token's partial outputs)
+    wire: str  # its value in cpchat.proto: enum Algorithm (prefill) or enum Decode
+    function: str  # "module:function" under cpchat.rank.algorithms
+    moves: str  # what crosses the ring
+
+
+REGISTRY = (
+    Algorithm("pass_kv", "pass-KV", "prefill", "PASS_KV", "pass_kv:attend",
+              "K/V blocks travel the ring (N-1 hops, overlapped)"),
+    Algorithm("pass_q", "pass-Q", "prefill", "PASS_Q", "pass_q:attend",
+              "queries travel the ring with their running output (N hops)"),
+    Algorithm("all_gather", "all-gather", "prefill", "ALL_GATHER", "all_gather:attend",
+              "every rank sends its K/V to every other rank at once"),
+    Algorithm("ulysses", "Ulysses", "prefill", "ULYSSES", "ulysses:attend",
+              "all-to-all from a sequence split to a head split, and back"),
+    Algorithm("exchange", "exchange", "decode", "DECODE_EXCHANGE", "decode:exchange",
+              "every rank sends its partial output to every other rank at once"),
+    Algorithm("ring", "ring", "decode", "DECODE_RING", "decode:ring",
+              "partial outputs travel the ring (N-1 hops)"),
+)
+BY_NAME = {a.name: a for a in REGISTRY}
+PREFILL_ALGORITHMS = tuple(a.name for a in REGISTRY if a.stage == "prefill")
+DECODE_EXCHANGES = tuple(a.name for a in REGISTRY if a.stage == "decode")
+ALGORITHMS = ("auto", *PREFILL_ALGORITHMS)  # the user's choices for a prefill
+
+
+def title(name: str) -> str:
+    """The shown name of an algorithm ("pass-KV"); other words ("auto") as they are."""
+    return BY_NAME[name].title if name in BY_NAME else name
