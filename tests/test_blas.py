@@ -13,7 +13,7 @@ import pytest
 from rankprocs import start_ranks
 
 from cpchat import blas
-from cpchat.bench.run import main as bench_main
+from cpchat.bench import main as bench_main
 from cpchat.cli import main as cli_main
 from cpchat.client.cluster import Cluster
 from cpchat.errors import BadInput

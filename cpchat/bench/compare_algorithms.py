@@ -21,7 +21,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from cpchat.bench.baseline import prompt_ids
-from cpchat.bench.run import bench_model, in_form, pyplot
+from cpchat.bench.charts import write_ratio_chart
+from cpchat.bench.models import in_form, random_model
 from cpchat.client.cluster import Cluster
 from cpchat.client.events import AlgorithmChoice, Done, Prefill
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
@@ -92,6 +93,11 @@ class PrefillCell:
         if pick is None or best is None:
             return None
         return 100 * (pick / self.best_ms(best) - 1)
+
+    def relative_ms(self, algorithm: str) -> float | None:
+        """`algorithm`'s best TTFT over the fastest's (1 = fastest); None where either is not measured."""
+        value, best = self.best_ms(algorithm), self.best_ms(self.fastest) if self.fastest else None
+        return value / best if value is not None and best else None
 
     @property
     def auto_consistent(self) -> bool:
@@ -192,7 +198,7 @@ def model_variants(args) -> list[Path]:
         return [in_form(Path(args.model), args.form)]
     try:
         kv_list = [int(k) for k in args.kv_heads.split(",") if k] if args.kv_heads else [None]
-        models = [bench_model(args.hidden, args.layers, args.heads, kv) for kv in kv_list]
+        models = [random_model(args.hidden, args.layers, args.heads, kv) for kv in kv_list]
     except ValueError as e:  # not a number, or not a divisor of the query heads
         raise BenchUsageError(f"--kv-heads {args.kv_heads}: {e}") from e
     return [in_form(model, args.form) for model in models]
@@ -325,13 +331,21 @@ def _ms(value: float | None) -> str:
     return "" if value is None else f"{value:.0f}" if value >= 10 else f"{value:.1f}"
 
 
+def _head(columns: list[str], rule: str) -> list[str]:
+    """A table's header and rule: the key of a cell (model, heads, N, context), then `columns`."""
+    return ["| model | heads q:kv | N | context | " + " | ".join(columns) + " |",
+            "|---|---|---:|---:|" + rule]
+
+
+def _key(variant: Variant, ranks: int, context: int) -> str:
+    """The start of a row: its cell's key."""
+    return f"| {variant.model} | {variant.heads} | {ranks} | {context} | "
+
+
 def prefill_table(cells: list[PrefillCell]) -> list[str]:
     algorithms = [a for a in RUN_ORDER if any(a in c.ttft_ms for c in cells)]
-    lines = [
-        "| model | heads q:kv | N | context | " + " | ".join(title(a) for a in algorithms)
-        + " | best | auto's pick | auto gap |",
-        "|---|---|---:|---:|" + "---:|" * len(algorithms) + "---|---|---:|",
-    ]
+    lines = _head([*map(title, algorithms), "best", "auto's pick", "auto gap"],
+                  "---:|" * len(algorithms) + "---|---|---:|")
     for c in cells:
         times = []
         for a in algorithms:
@@ -339,19 +353,16 @@ def prefill_table(cells: list[PrefillCell]) -> list[str]:
             times.append(_ms(c.best_ms(a)) + mark)
         gap = f"{c.auto_gap_pct:.1f}%" if c.auto_gap_pct is not None else "n/a"
         best = title(c.fastest) if c.fastest else ""
-        lines.append(f"| {c.variant.model} | {c.variant.heads} | {c.ranks} | {c.context} | "
-                     + " | ".join(times) + f" | {best} | {title(c.auto_pick)} | {gap} |")
+        lines.append(_key(c.variant, c.ranks, c.context) + " | ".join(times)
+                     + f" | {best} | {title(c.auto_pick)} | {gap} |")
     return lines
 
 
 def estimate_table(cells: list[PrefillCell]) -> list[str]:
-    lines = [
-        "| model | heads q:kv | N | context | " + " | ".join(title(a) for a in PREFILL_ALGORITHMS)
-        + " | auto's reason |",
-        "|---|---|---:|---:|" + "---:|" * len(PREFILL_ALGORITHMS) + "---|",
-    ]
+    lines = _head([*map(title, PREFILL_ALGORITHMS), "auto's reason"],
+                  "---:|" * len(PREFILL_ALGORITHMS) + "---|")
     for c in cells:
-        lines.append(f"| {c.variant.model} | {c.variant.heads} | {c.ranks} | {c.context} | "
+        lines.append(_key(c.variant, c.ranks, c.context)
                      + " | ".join(_ms(c.estimates_ms.get(a)) for a in PREFILL_ALGORITHMS)
                      + f" | {c.auto_reason} |")
     return lines
@@ -359,11 +370,8 @@ def estimate_table(cells: list[PrefillCell]) -> list[str]:
 
 def decode_table(rows: list[DecodeRow]) -> list[str]:
     exchanges = [e for e in DECODE_EXCHANGES if any(r.exchange == e for r in rows)]
-    lines = [
-        "| model | heads q:kv | N | context | " + " | ".join(f"{e} ms/token" for e in exchanges)
-        + " | " + " | ".join(f"{e} estimate" for e in exchanges) + " |",
-        "|---|---|---:|---:|" + "---:|" * (2 * len(exchanges)),
-    ]
+    lines = _head([f"{e} ms/token" for e in exchanges] + [f"{e} estimate" for e in exchanges],
+                  "---:|" * (2 * len(exchanges)))
     groups: dict[tuple[str, int], dict[str, DecodeRow]] = {}
     for r in rows:
         groups.setdefault((r.variant.model, r.ranks), {})[r.exchange] = r
@@ -371,7 +379,7 @@ def decode_table(rows: list[DecodeRow]) -> list[str]:
         first = next(iter(by_exchange.values()))
         measured = [by_exchange.get(e) for e in exchanges]
         lines.append(
-            f"| {first.variant.model} | {first.variant.heads} | {first.ranks} | {first.context} | "
+            _key(first.variant, first.ranks, first.context)
             + " | ".join(f"{r.best:.1f}" if r and r.best is not None else "" for r in measured) + " | "
             + " | ".join(f"{r.estimate_ms:.2f}" if r else "" for r in measured) + " |"
         )
@@ -428,30 +436,12 @@ def write_comparison(out: Path, result: Comparison, seconds: float) -> None:
     (out / "results.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(data, indent=1))
     if result.prefill:
-        write_chart(out / "results.png", result.prefill)
+        write_ttft_chart(out / "results.png", result.prefill)
 
 
-def write_chart(path: Path, cells: list[PrefillCell]) -> None:
+def write_ttft_chart(path: Path, cells: list[PrefillCell]) -> None:
     """Each cell's TTFT per algorithm relative to its fastest (1 = fastest), auto's pick outlined."""
-    if (plt := pyplot()) is None:
-        return
-    from matplotlib.patches import Patch
     algorithms = [a for a in PREFILL_ALGORITHMS if any(a in c.ttft_ms for c in cells)]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(cells) + 2), 4))
-    width = 0.8 / max(len(algorithms), 1)
-    for k, algorithm in enumerate(algorithms):
-        for i, c in enumerate(cells):
-            value, best = c.best_ms(algorithm), c.best_ms(c.fastest) if c.fastest else None
-            if value is None or not best:
-                continue
-            picked = algorithm == c.auto_pick
-            ax.bar(i + (k - (len(algorithms) - 1) / 2) * width, value / best, width, color=f"C{k}",
-                   edgecolor="black" if picked else "none", linewidth=1.5 if picked else 0)
-    ax.set_xticks(range(len(cells)))
-    ax.set_xticklabels([f"{c.variant.heads}\nN={c.ranks}\n{c.context}" for c in cells], fontsize=8)
-    ax.set_ylabel("TTFT / fastest (outlined: auto's pick)")
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(handles=[Patch(color=f"C{k}", label=title(a)) for k, a in enumerate(algorithms)])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_ratio_chart(path, [f"{c.variant.heads}\nN={c.ranks}\n{c.context}" for c in cells],
+                      {title(a): [c.relative_ms(a) for c in cells] for a in algorithms},
+                      [title(c.auto_pick) for c in cells], "TTFT / fastest (outlined: auto's pick)")

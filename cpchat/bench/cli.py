@@ -1,0 +1,150 @@
+"""`cpchat bench`'s command line: its flags, and which comparison they run. Generation over growing
+contexts for N ranks next to mlx-lm and the ring transport next to mx.distributed (compare_mlx_lm.py),
+the prefill algorithms side by side (--algorithms: compare_algorithms.py), or partial_attention next to
+the fused kernel (--attention: attention.py); each writes a Markdown table, the JSON and a chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from cpchat import blas
+from cpchat.bench import compare_algorithms, compare_mlx_lm
+from cpchat.bench.models import ARCHS
+from cpchat.client.cluster import TRANSPORTS
+from cpchat.client.launcher import rank_environment
+from cpchat.client.settings import REPO_ASSETS
+from cpchat.core.algorithms import ALGORITHMS
+
+DESCRIPTION = """The benchmark driver: generation over growing contexts for N ranks next to
+mlx-lm, the ring transport next to mx.distributed, a Markdown table and a chart.
+
+Every figure is a ratio or a rate measured in the same run, on the same model
+and prompt, so a noisy machine shifts both sides alike.
+"""  # --help's text
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cpchat bench", description=DESCRIPTION)
+    p.add_argument("--quick", action="store_true", help="a small preset that finishes in about two minutes")
+    p.add_argument("--model", help="mlx-lm model directory, GGUF file, ollama:NAME or smollm2 (default: a "
+                                    "random llama of --hidden/--layers); a real model is prompted with prose")
+    p.add_argument("--arch", default="llama", choices=ARCHS,
+                   help="the random model's family: llama, or a hybrid with linear-attention layers "
+                        "(qwen3_5: Gated DeltaNet, nemotron_h: Mamba-2; one full-attention layer in four)")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, help="query heads (default hidden/64)")
+    p.add_argument("--kv-heads", metavar="LIST",
+                   help="KV heads of the random model (default: a quarter of the query heads); with "
+                        "--algorithms a comma list, one model each (e.g. 4,16 for GQA and MHA)")
+    p.add_argument("--form", default="float32",
+                   help="convert the model with mlx_lm.convert: bfloat16, float16, q4g64 (bits, group size)")
+    p.add_argument("--contexts", default="1024,2048,4096,8192,16384", help="comma-separated prompt lengths")
+    p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
+    p.add_argument("--decode", type=int, default=16, help="tokens to generate per run")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each measurement: TTFT keeps the best, the transport rows the median")
+    p.add_argument("--algorithm", default="pass_kv", choices=list(ALGORITHMS))
+    p.add_argument("--algorithms", metavar="LIST",
+                   help="compare prefill algorithms instead of mlx-lm: a comma list of "
+                        "pass_kv,pass_q,all_gather,ulysses,auto, or all")
+    p.add_argument("--decode-exchange", default="exchange", metavar="LIST",
+                   help="with --algorithms: decode exchanges to time, a comma list of exchange,ring")
+    p.add_argument("--pin", action="store_true", help="pin rank i to core i (and mlx-lm to core 0)")
+    p.add_argument("--blas", default="auto",
+                   help="comma-separated BLAS runs, each of auto (the fastest installed; default), openblas, "
+                        "mkl, reference; both = auto,reference")
+    p.add_argument(
+        "--transport", default="1,4,16,64", help="block sizes in MiB for the ring benchmark ('' skips)"
+    )
+    p.add_argument("--data-planes", default="auto", metavar="LIST",
+                   help=f"the cpchat rows' transports, a comma list of {', '.join(TRANSPORTS)} "
+                        f"(one row each)")
+    p.add_argument(
+        "--no-baseline", action="store_true", help="skip mlx-lm (e.g. for contexts it cannot hold)"
+    )
+    p.add_argument(
+        "--no-overlap", action="store_true", help="skip the extra pass-KV prefill that measures overlap"
+    )
+    out = REPO_ASSETS / "bench" if REPO_ASSETS.is_dir() else Path("cpchat-bench")  # a checkout, or here
+    p.add_argument("--out", default=str(out), help="where results.md/.json/.png go")
+    p.add_argument(
+        "--attention",
+        metavar="LENGTHS",
+        help="only time partial_attention against the fused kernel at these lengths (e.g. 4096,16384)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.attention:
+        return attention_only([int(n) for n in args.attention.split(",")])
+    try:
+        blas_modes = blas_choices(args.blas)
+    except blas.BlasUnavailable as e:
+        print(f"cpchat bench: {e}", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.hidden, args.layers, args.contexts, args.ranks = 256, 4, "512,1024", "1,2"
+        args.repeats, args.decode, args.transport = 1, 8, "1,16"
+    if args.algorithms:
+        if len(blas_modes) > 1:
+            print("cpchat bench: --algorithms runs one BLAS; compare BLAS without it", file=sys.stderr)
+            return 2
+        args.blas_choice = blas_modes[0]
+        return compare_algorithms.run_comparison(args, command_line(argv))
+    return compare_mlx_lm.run_comparison(args, blas_modes)
+
+
+def command_line(argv: list[str] | None) -> str:
+    """The command as typed, for the report."""
+    if argv is None:
+        argv = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
+    return ("cpchat bench " + shlex.join(argv)).strip()
+
+
+def blas_choices(text: str) -> list[str]:
+    """The --blas runs to make; a library that cannot be loaded is an error, never a fallback."""
+    if text == "both":
+        if blas.choose("auto")[0] == "reference":
+            raise blas.BlasUnavailable(f"--blas both: no fast BLAS found to compare; install one with: "
+                                       f"{blas.install_hint()}")
+        return ["auto", "reference"]
+    choices = [c.strip() for c in text.split(",") if c.strip()]
+    for choice in choices:
+        if choice not in blas.CHOICES:
+            raise blas.BlasUnavailable(f"--blas {choice}: expected one of {', '.join(blas.CHOICES)}")
+        blas.choose(choice)
+    return choices
+
+
+def attention_only(lengths: list[int]) -> int:
+    """Run the attention micro-benchmark in a child with the ranks' BLAS environment."""
+    code = (
+        "import json,sys; from cpchat.bench.attention import time_attention; "
+        "[print(json.dumps(time_attention(int(n))), flush=True) for n in sys.argv[1:]]"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *map(str, lengths)],
+        env=rank_environment(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    print(
+        "| causal length | fused s | partial_attention s | ratio | max abs error |\n"
+        "|---:|---:|---:|---:|---:|"
+    )
+    for line in done.stdout.splitlines():
+        r = json.loads(line)
+        print(
+            f"| {r['length']} | {r['fused_s']:.2f} | {r['tiled_s']:.2f} | {r['ratio']:.2f} "
+            f"| {r['max_abs_error']:.1e} |"
+        )
+    return 0

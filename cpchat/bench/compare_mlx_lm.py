@@ -1,0 +1,258 @@
+"""`cpchat bench`'s default run: generation over growing contexts for N ranks next to mlx-lm's own
+stream_generate, then the ring transport next to mx.distributed; a Markdown table, the JSON and a chart.
+
+Every figure is a ratio or a rate measured in the same run, on the same model and prompt, so a noisy
+machine shifts both sides alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from cpchat.bench.baseline import document_ids, prompt_ids
+from cpchat.bench.charts import Lines, write_context_chart
+from cpchat.bench.models import in_form, source_model
+from cpchat.bench.transport import MB, ring_link, run_transport, transport_table
+from cpchat.checkpoints import CheckpointError
+from cpchat.client.cluster import TRANSPORTS, Cluster
+from cpchat.client.events import Done, Prefill
+from cpchat.client.launcher import rank_environment
+from cpchat.client.session import SamplingOptions, Session, load_tokenizer
+
+
+@dataclass
+class Row:
+    system: str
+    ranks: int
+    context: int
+    ttft_ms: list[float] = field(default_factory=list)
+    prefill_tokens_per_s: list[float] = field(default_factory=list)
+    decode_tokens_per_s: list[float] = field(default_factory=list)
+    kv_bytes_per_rank: int = 0
+    peak_bytes_per_rank: int = 0
+    algorithm: str = ""
+    hidden_share: float | None = None
+    blas: str = ""  # the BLAS that was measured, as the processes report it
+    estimate_s: float | None = None  # the prefill time cpchat predicted from the ranks' calibration
+    combine_share: float | None = None  # of prefill: linear layers' halo exchange and state combine
+
+    def best(self, name: str) -> float:
+        values = getattr(self, name)
+        return (min if name == "ttft_ms" else max)(values) if values else 0.0
+
+    def median(self, name: str) -> float:
+        values = getattr(self, name)
+        return statistics.median(values) if values else 0.0
+
+
+def run_comparison(args, blas_modes: list[str]) -> int:
+    """The default mode of `cpchat bench`, one run per BLAS in `blas_modes`; returns the exit status."""
+    kv_heads = int(args.kv_heads) if args.kv_heads and args.kv_heads.isdigit() else None
+    if args.kv_heads and kv_heads is None:
+        print("cpchat bench: several --kv-heads need --algorithms", file=sys.stderr)
+        return 2
+    try:
+        source = source_model(args.model, args.hidden, args.layers, args.heads, kv_heads, args.arch)
+    except CheckpointError as e:
+        print(f"cpchat bench: {e}", file=sys.stderr)
+        return 2
+    model = str(in_form(source, args.form))
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    ranks = [int(n) for n in args.ranks.split(",") if n]
+    planes = [t.strip() for t in args.data_planes.split(",") if t.strip()]
+    if not planes or any(t not in TRANSPORTS for t in planes):
+        print(f"cpchat bench: --data-planes: expected a comma list of {', '.join(TRANSPORTS)}",
+              file=sys.stderr)
+        return 2
+    rows: list[Row] = []
+    started = time.time()
+    for blas_choice in blas_modes:
+        if not args.no_baseline:
+            for context in contexts:
+                rows.append(run_baseline(model, context, args, blas_choice))
+                report_progress(rows[-1])
+        for n in ranks:
+            for data_plane in planes if n > 1 else planes[:1]:
+                rows.extend(run_cpchat(model, n, contexts, args, blas_choice, data_plane))
+    sizes = [int(s) * MB for s in args.transport.split(",") if s]
+    transport = run_transport(sizes, args.repeats) if sizes else []
+    out = Path(args.out)
+    write_report(out, rows, transport, args, model, time.time() - started)
+    print(f"wrote {out / 'results.md'}", file=sys.stderr)
+    return 0
+
+
+def report_progress(row: Row) -> None:
+    print(
+        f"  {row.system:>12} ctx={row.context:>6} blas={row.blas}: ttft {row.best('ttft_ms'):.0f} ms, "
+        f"prefill {row.best('prefill_tokens_per_s'):.0f} tok/s, "
+        f"decode {row.best('decode_tokens_per_s'):.1f} tok/s",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def run_baseline(model: str, context: int, args, blas_choice: str) -> Row:
+    """mlx-lm's row: baseline.py in a child with the ranks' BLAS environment."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "cpchat.bench.baseline",
+        "--model",
+        model,
+        "--context",
+        str(context),
+        "--decode",
+        str(args.decode),
+        "--repeats",
+        str(args.repeats),
+    ] + (["--text"] if args.model else [])
+    if args.pin:
+        cmd = ["taskset", "-c", "0"] + cmd
+    done = subprocess.run(cmd, capture_output=True, text=True, env=rank_environment(blas_choice), check=True)
+    row = Row("mlx-lm", 1, context)
+    for line in done.stdout.splitlines():
+        r = json.loads(line)
+        row.blas = r["blas"]
+        row.ttft_ms.append(r["ttft_ms"])
+        row.prefill_tokens_per_s.append(r["prefill_tokens_per_s"])
+        row.decode_tokens_per_s.append(r["decode_tokens_per_s"])
+        row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, r["peak_bytes"])
+    return row
+
+
+def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, transport: str = "auto"
+               ) -> list[Row]:
+    """cpchat's rows on one cluster of n ranks, one per context."""
+    cluster = Cluster.launch(n, blas_choice=blas_choice, pin_cpus=args.pin, transport=transport)
+    rows = []
+    try:
+        cluster.connect()
+        cluster.load(model)
+        tokenizer = load_tokenizer(model)
+        bandwidth = ring_link(cluster, 16 * MB)[0] if n > 1 else 0.0
+        measured_blas = " / ".join(sorted({r.blas_label for r in cluster.ranks}))
+        for context in contexts:
+            ids = document_ids(tokenizer, context) if args.model else prompt_ids(cluster.model.vocab_size,
+                                                                                 context)
+            plane = f" {cluster.transport_label}" if n > 1 and transport != "auto" else ""
+            system = f"cpchat N={n}{plane}"
+            row = Row(system, n, context, blas=measured_blas,
+                      estimate_s=cluster.prefill_cost.seconds(context, 0, n))
+            for _ in range(args.repeats):
+                cluster.reset(0)
+                session = Session(
+                    cluster,
+                    tokenizer,
+                    raw=True,
+                    algorithm=args.algorithm,
+                    sampling=SamplingOptions(max_tokens=args.decode, temperature=0.0),
+                )
+                for event in session._generate(ids):
+                    if isinstance(event, Prefill):
+                        row.prefill_tokens_per_s.append(context / (event.ms / 1000))
+                        row.algorithm = event.algorithm
+                        if event.linear_layers:
+                            row.combine_share = event.state_combine_ms / event.ms
+                    elif isinstance(event, Done):
+                        row.ttft_ms.append(event.ttft_ms)
+                        row.decode_tokens_per_s.append(event.decode_tokens_per_s)
+                        row.kv_bytes_per_rank = max(r.kv_bytes for r in event.ranks)
+                stats = cluster.stats_once()
+                row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, max(s.peak_rss_bytes for s in stats))
+            if n > 1 and not args.no_overlap:
+                row.hidden_share = hidden_share(cluster, ids, args, bandwidth)
+            rows.append(row)
+            report_progress(row)
+    finally:
+        cluster.close()
+    return rows
+
+
+def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> float:
+    """Share of pass-KV transfer time hidden behind compute in a prefill: 1 - waited / transfer,
+    where transfer is each received block's bytes over the measured ring bandwidth."""
+    cluster.reset(0)
+    session = Session(
+        cluster,
+        load_tokenizer(cluster.model.name),
+        raw=True,
+        algorithm="pass_kv",
+        sampling=SamplingOptions(max_tokens=1, temperature=0.0),
+    )
+    list(session._generate(ids))
+    waited = transfer = 0.0
+    for stats in cluster.stats_once():
+        sent = {(t.layer, t.step): t.bytes_sent for t in stats.ring_steps}
+        for t in stats.ring_steps:
+            if t.step == 0:
+                continue
+            received = sent.get((t.layer, t.step - 1), 0)  # the block we forward is the one we received
+            waited += t.wait_ms / 1000
+            transfer += (received or sent.get((t.layer, 0), 0)) / bandwidth
+    return max(0.0, 1.0 - waited / transfer) if transfer else 0.0
+
+
+def write_report(out: Path, rows: list[Row], transport: list[dict], args, model: str, seconds: float) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    command = "cpchat bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    base = {(r.context, r.blas): r for r in rows if r.system == "mlx-lm"}
+    lines = [
+        "# cpchat bench",
+        "",
+        f"Command: `{command.strip()}`  ",
+        f"Model: `{Path(model).name}`; {args.repeats} repeat(s), best of them (median in the JSON); "
+        f"{args.decode} decoded tokens; {os.cpu_count()} cores; took {seconds:.0f} s."
+        if rows
+        else f"{os.cpu_count()} cores; took {seconds:.0f} s.",
+    ]
+    if rows:
+        lines += [
+            "",
+            "| system | BLAS | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s | vs mlx-lm "
+            "| KV MiB/rank | peak MiB/rank | hidden comm | state combine | prefill estimate |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+    for r in rows:
+        b = base.get((r.context, r.blas))
+        pre_ratio = f"{r.best('prefill_tokens_per_s') / b.best('prefill_tokens_per_s'):.2f}×" if b else ""
+        dec_ratio = f"{r.best('decode_tokens_per_s') / b.best('decode_tokens_per_s'):.2f}×" if b else ""
+        hidden = f"{100 * r.hidden_share:.0f}%" if r.hidden_share is not None else ""
+        combine = f"{100 * r.combine_share:.1f}%" if r.combine_share is not None else ""
+        measured_s = r.context / r.best("prefill_tokens_per_s") if r.prefill_tokens_per_s else 0.0
+        estimate = ""
+        if r.estimate_s and measured_s:  # predicted seconds, and as a multiple of the measured ones
+            estimate = f"{r.estimate_s:.2f} s ({r.estimate_s / measured_s:.2f}×)"
+        lines.append(
+            f"| {r.system} | {r.blas} | {r.context} | {r.best('ttft_ms'):.0f} "
+            f"| {r.best('prefill_tokens_per_s'):.0f} | {pre_ratio} | {r.best('decode_tokens_per_s'):.1f} "
+            f"| {dec_ratio} | {r.kv_bytes_per_rank / MB:.1f} "
+            f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} | {combine} | {estimate} |"
+        )
+    if transport:
+        lines += ["", *transport_table(transport, args.repeats)]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(
+        json.dumps({"command": command, "rows": [asdict(r) for r in rows], "transport": transport}, indent=1)
+    )
+    if rows:
+        write_context_chart(out / "results.png", chart_panels(rows))
+
+
+def chart_panels(rows: list[Row]) -> dict[str, Lines]:
+    """Prefill and decode tokens/s, one line per system, of the first BLAS measured."""
+    panels: dict[str, Lines] = {"prefill tokens/s": {}, "decode tokens/s": {}}
+    for system in dict.fromkeys(r.system for r in rows):
+        mine = [r for r in rows if r.system == system and r.blas == rows[0].blas]
+        xs = [r.context for r in mine]
+        panels["prefill tokens/s"][system] = (xs, [r.best("prefill_tokens_per_s") for r in mine])
+        panels["decode tokens/s"][system] = (xs, [r.best("decode_tokens_per_s") for r in mine])
+    return panels
