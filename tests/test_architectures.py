@@ -70,7 +70,7 @@ def test_a_mask_made_by_the_model_is_refused():
     from cpchat.rank.context_parallel import RingPass, ShardCache, ring_attention
     from cpchat.rank.fit import UnsupportedModel
     from cpchat.rank.kvstore import KVShard
-    from cpchat.rank.ring import Mailbox, Ring
+    from cpchat.rank.transport.ring import Mailbox, Ring
 
     ring_pass = RingPass("r", "pass_kv", Ring(0, 1, {}, Mailbox(lambda f, n: None)), KVShard(1), 0,
                          np.arange(2), np.ones(2, bool), True, threading.Event(), windows=[None])

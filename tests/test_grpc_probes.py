@@ -15,7 +15,8 @@ from rankprocs import start_ranks, stop_all, write_token
 from cpchat.client.cluster import Cluster
 from cpchat.errors import BadInput
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank.server import TOKEN_HEADER, serving
+from cpchat.protocol.channel import TOKEN_HEADER
+from cpchat.rank.server import serving
 
 TOKEN = "s3cret-cluster-token"
 AUTH = ((TOKEN_HEADER, TOKEN),)

@@ -1,5 +1,5 @@
-"""Shared-memory links (cpchat/rank/shm.py) with real sockets and memfds, across real processes where
-a process has to die or be someone else."""
+"""Shared-memory links (cpchat/rank/transport/shm.py) with real sockets and memfds, across real
+processes where a process has to die or be someone else."""
 
 import os
 import socket
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank import shm
-from cpchat.rank.ring import Mailbox
-from cpchat.rank.shm import SharedMemoryLink, SharedMemoryListener
-from cpchat.rank.wire import CHUNK_BYTES, BlockKey, HostTensor, to_host, to_mlx
+from cpchat.rank.transport import shm
+from cpchat.rank.transport.ring import Mailbox
+from cpchat.rank.transport.shm import SharedMemoryLink, SharedMemoryListener
+from cpchat.rank.transport.wire import CHUNK_BYTES, BlockKey, HostTensor, to_host, to_mlx
 
 TOKEN = "s3cret"
 
@@ -138,8 +138,8 @@ def _child(code: str) -> subprocess.CompletedProcess:
 SEND_AND_DIE = """
 import os, mlx.core as mx
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank.shm import SharedMemoryLink
-from cpchat.rank.wire import BlockKey, to_host
+from cpchat.rank.transport.shm import SharedMemoryLink
+from cpchat.rank.transport.wire import BlockKey, to_host
 link = SharedMemoryLink({endpoint!r}, "ring", 2, "peer", {token!r})
 link.put(BlockKey("req", 0, 0, pb.KV), [to_host(mx.ones((1 << 20,)))])
 link.close()  # queued behind the block, so the block is sent first; then a goodbye, unless we die

@@ -5,8 +5,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank import wire
-from cpchat.rank.wire import BlockAssembler, BlockKey, FrameError, block_frames, parse_frame, to_host, to_mlx
+from cpchat.rank.transport import wire
+from cpchat.rank.transport.wire import (
+    BlockAssembler,
+    BlockKey,
+    FrameError,
+    block_frames,
+    parse_frame,
+    to_host,
+    to_mlx,
+)
 
 KEY = BlockKey("req", 3, 1, pb.KV)
 

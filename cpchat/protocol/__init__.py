@@ -1,4 +1,5 @@
-"""Generated gRPC modules for proto/cpchat.proto (checked in; see `generate`)."""
+"""Generated gRPC modules for proto/cpchat.proto (checked in; see `generate`), and `channel`, the one
+module here written by hand."""
 
 from __future__ import annotations
 

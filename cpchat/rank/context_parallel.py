@@ -6,7 +6,10 @@ rows (two head-tail chunks in prefill, one token in decode). Each layer gets a
 per-row offsets), `update_and_fetch` stores the real tokens in the `KVShard`,
 and mlx-lm's `scaled_dot_product_attention`, as every model module binds it, is
 replaced by `ring_attention`, which hands the queries to the running `RingPass`
-(with the layer's sliding window and attention sinks, if it has them).
+(with the layer's sliding window and attention sinks, if it has them). The pass
+runs the algorithm the request names: one function in cpchat.rank.algorithms,
+which crosses the ring with what `RingPass` gives it (its ring, its block keys,
+its timed partial attention).
 """
 
 from __future__ import annotations
@@ -19,14 +22,16 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from cpchat.core.attention import add_sink, merge_partials, partial_attention
-from cpchat.core.sharding import head_split
-from cpchat.protocol import cpchat_pb2 as pb
+from cpchat.core.algorithms import BY_NAME
+from cpchat.core.attention import add_sink, partial_attention
+from cpchat.rank.algorithms import attend_function
 from cpchat.rank.fit import AttentionCall, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
-from cpchat.rank.ring import Ring
 from cpchat.rank.statestore import StateStore
-from cpchat.rank.wire import BlockKey, block_nbytes
+from cpchat.rank.transport.ring import Ring
+from cpchat.rank.transport.wire import BlockKey, block_nbytes
+
+Partial = tuple[mx.array, mx.array]  # (out [1, H, L, Dv] float32, lse [1, H, L]): cpchat.core.attention
 
 
 @dataclass
@@ -54,7 +59,7 @@ class RingPass:
     """One forward of the model over this rank's rows, and how attention crosses the ring."""
 
     request_id: str
-    mode: str  # "pass_kv" | "pass_q" | "all_gather" | "ulysses" (prefill), "decode_exchange" | "decode_ring"
+    algorithm: str  # a name in cpchat.core.algorithms.REGISTRY: a prefill's ("pass_kv", ...) or a decode's
     ring: Ring
     kv: KVShard
     row_offsets: mx.array | int
@@ -75,7 +80,7 @@ class RingPass:
     @property
     def decoding(self) -> bool:
         """Every rank runs the same one token (decode), rather than its own rows of the prompt."""
-        return self.mode.startswith("decode")
+        return BY_NAME[self.algorithm].stage == "decode"
 
     @property
     def chunk(self) -> int:
@@ -106,12 +111,7 @@ class RingPass:
         k, v, k_pos = self.kv.layer(layer)
         if self.ring.size > 1:  # blocks must be concrete before they travel
             mx.eval(q, *(a for a in (k, v) if a is not None))
-        run = {
-            "pass_kv": self._pass_kv, "pass_q": self._pass_q, "all_gather": self._all_gather,
-            "ulysses": self._ulysses, "decode_exchange": self._exchange_partials,
-            "decode_ring": self._ring_partials,
-        }[self.mode]
-        out, lse = run(call, q, k, v, k_pos)
+        out, lse = attend_function(BY_NAME[self.algorithm])(self, call, q, k, v, k_pos)
         if sinks is not None:
             out = add_sink(out, lse, sinks)
         if self.on_layer is not None:
@@ -119,11 +119,13 @@ class RingPass:
         out = out.astype(queries.dtype)
         return out.reshape(heads, rows, chunk, out.shape[-1]).transpose(1, 0, 2, 3)
 
-    # ---- algorithms
+    # ---- what the algorithms use
 
-    def _timed_local(self, call: LayerCall, timing: StepTiming, q, q_pos, k, v, k_pos):
+    def partial(self, call: LayerCall, timing: StepTiming, q: mx.array, q_pos: np.ndarray,
+                k: mx.array | None, v: mx.array | None, k_pos: np.ndarray) -> Partial:
+        """Attention of `q` over one block of keys (cpchat.core.attention), its time in `timing`."""
         if k is None or len(k_pos) == 0:
-            return _empty_partial(q, call.value_dim)
+            return empty_partial(q, call.value_dim)
         if self.ring.size == 1:  # nothing to overlap or report: stay lazy, one graph per forward
             return partial_attention(q, k, v, q_pos, k_pos, call.scale, window=call.window)
         t0 = time.perf_counter()
@@ -132,18 +134,20 @@ class RingPass:
         timing.compute_ms += 1000 * (time.perf_counter() - t0)
         return out, lse
 
-    def _key(self, layer: int, step: int, kind: int) -> BlockKey:
+    def key(self, layer: int, step: int, kind: int) -> BlockKey:
+        """The key of a block of this pass (`kind` a pb.FrameKind)."""
         if self.decoding:  # consecutive tokens' partials differ: a rank may run one token ahead
             step += self.start % 2 * self.ring.size
         return BlockKey(self.request_id, layer, step, kind)
 
-    def _take(self, timing: StepTiming, key: BlockKey, source: int | None = None) -> list[mx.array]:
+    def take(self, timing: StepTiming, key: BlockKey, source: int | None = None) -> list[mx.array]:
+        """The block of `key` from `source` (the previous rank if None), the wait in `timing`."""
         tensors, waited = self.ring.take(key, self.abort, source)
         timing.wait_ms += 1000 * waited
         return tensors
 
-    def _send(self, timing: StepTiming, key: BlockKey, tensors: list[mx.array], to: list[int] | None = None
-              ) -> None:
+    def send(self, timing: StepTiming, key: BlockKey, tensors: list[mx.array], to: list[int] | None = None
+             ) -> None:
         """To the next rank, or to each rank of `to`."""
         to = [self.ring.next_rank] if to is None else to
         self.ring.send_all(key, tensors, to)
@@ -153,126 +157,6 @@ class RingPass:
         timing = StepTiming(layer, step)
         self.timings.append(timing)
         return timing
-
-    def _pass_kv(self, call: LayerCall, q, k, v, k_pos):
-        """Queries stay; every rank's K/V block visits every rank (N-1 hops).
-        The block is forwarded before it is used, so the send overlaps compute."""
-        n, layer = self.ring.size, call.layer
-        parts = []
-        block = None if k is None else [k, v, mx.array(k_pos)]
-        for step in range(n):
-            timing = self.step_timing(layer, step)
-            if step > 0:
-                block = self._take(timing, self._key(layer, step - 1, pb.KV))
-                block = None if block[2].size == 0 else block
-            if step < n - 1:
-                self._send(timing, self._key(layer, step, pb.KV), block or _empty_kv(q))
-            if block is not None:
-                bk, bv, bpos = block
-                parts.append(self._timed_local(call, timing, q, self.q_positions, bk, bv, np.asarray(bpos)))
-        return merge_partials(parts) if parts else _empty_partial(q, call.value_dim)
-
-    def _pass_q(self, call: LayerCall, q, k, v, k_pos):
-        """K/V stay; each rank's queries travel a full lap carrying their running
-        (out, lse), merging one partial per rank, and come home (N hops)."""
-        n, layer = self.ring.size, call.layer
-        timing = self.step_timing(layer, 0)
-        out, lse = self._timed_local(call, timing, q, self.q_positions, k, v, k_pos)
-        if n == 1:
-            return out, lse
-        q_pos = mx.array(self.q_positions)
-        self._send(timing, self._key(layer, 0, pb.QUERY), [q, q_pos, out, lse])
-        for step in range(1, n + 1):
-            timing = self.step_timing(layer, step)
-            vq, vq_pos, vout, vlse = self._take(timing, self._key(layer, step - 1, pb.QUERY))
-            if step == n:
-                return vout, vlse  # our own queries, home with every rank's partial merged
-            mine = self._timed_local(call, timing, vq, np.asarray(vq_pos), k, v, k_pos)
-            vout, vlse = merge_partials([(vout, vlse), mine])
-            self._send(timing, self._key(layer, step, pb.QUERY), [vq, vq_pos, vout, vlse])
-        raise AssertionError("unreachable")
-
-    def _all_gather(self, call: LayerCall, q, k, v, k_pos):
-        """Queries stay; every rank sends its K/V to every other rank at once, attends to its own
-        block while the others arrive, then to all of theirs in one pass. The others' K/V is
-        dropped when the layer ends: the store stays 1/N of the sequence."""
-        layer, key = call.layer, self._key(call.layer, 0, pb.GATHER)
-        timing = self.step_timing(layer, 0)
-        self._send(timing, key, _kv_block(q, k, v, k_pos), to=self.ring.peers)
-        parts = [self._timed_local(call, timing, q, self.q_positions, k, v, k_pos)]
-        timing = self.step_timing(layer, 1)
-        blocks = [self._take(timing, key, source) for source in self.ring.peers]
-        blocks = [b for b in blocks if b[2].size]
-        if blocks:
-            gk, gv = (mx.concatenate([b[i] for b in blocks], axis=2) for i in (0, 1))
-            g_pos = np.concatenate([np.asarray(b[2]) for b in blocks])
-            parts.append(self._timed_local(call, timing, q, self.q_positions, gk, gv, g_pos))
-        return merge_partials(parts)
-
-    def _ulysses(self, call: LayerCall, q, k, v, k_pos):
-        """All-to-all from "every head, this rank's tokens" to "every token, this rank's heads":
-        each rank attends its share of the query heads over the whole sequence (cached keys
-        included) in one pass, and a second all-to-all brings each output home. Query heads are
-        split as evenly as N allows (`head_split`); a key head whose query heads fall on two
-        ranks goes to both."""
-        n, me, layer = self.ring.size, self.ring.rank, call.layer
-        shares = head_split(q.shape[1], call.kv_heads, n)
-        timing = self.step_timing(layer, 0)
-        q_pos = mx.array(self.q_positions)
-        kv = _kv_block(q, k, v, k_pos)
-        for rank, share in enumerate(shares):
-            block = [q[:, share.start:share.stop], q_pos, *_select_heads(kv, share.kv_index)]
-            if rank == me:
-                own = block
-            elif share.stop > share.start:
-                self._send(timing, self._key(layer, 0, pb.HEADS), block, to=[rank])
-        home = {}
-        if shares[me].stop > shares[me].start:  # with more ranks than query heads, some have none
-            timing = self.step_timing(layer, 1)
-            heads_key = self._key(layer, 0, pb.HEADS)
-            blocks = [own if r == me else self._take(timing, heads_key, r) for r in range(n)]
-            gq = mx.concatenate([b[0] for b in blocks], axis=2)
-            gq_pos = np.concatenate([np.asarray(b[1]) for b in blocks])
-            with_keys = [b for b in blocks if b[4].size]
-            gk, gv = (mx.concatenate([b[i] for b in with_keys], axis=2) for i in (2, 3))
-            gk_pos = np.concatenate([np.asarray(b[4]) for b in with_keys])
-            out, lse = self._timed_local(call, timing, gq, gq_pos, gk, gv, gk_pos)
-            bounds = np.cumsum([0, *(b[0].shape[2] for b in blocks)]).tolist()
-            home = {r: [a[:, :, bounds[r]:bounds[r + 1]] for a in (out, lse)] for r in range(n)}
-            for r in self.ring.peers:
-                self._send(timing, self._key(layer, 0, pb.OUTPUT), home[r], to=[r])
-        timing = self.step_timing(layer, 2)
-        parts = [home[me] if r == me else self._take(timing, self._key(layer, 0, pb.OUTPUT), r)
-                 for r, share in enumerate(shares) if share.stop > share.start]
-        return mx.concatenate([o for o, _ in parts], axis=1), mx.concatenate([s for _, s in parts], axis=1)
-
-    def _exchange_partials(self, call: LayerCall, q, k, v, k_pos):
-        """Decode in one exchange: every rank holds the same query, sends its partial output to
-        every other rank at once, and merges all N in rank order, so all ranks agree bit for bit."""
-        layer, key = call.layer, self._key(call.layer, 0, pb.PARTIAL)
-        timing = self.step_timing(layer, 0)
-        mine = self._timed_local(call, timing, q, self.q_positions, k, v, k_pos)
-        if self.ring.size == 1:
-            return mine
-        self._send(timing, key, list(mine), to=self.ring.peers)
-        timing = self.step_timing(layer, 1)
-        parts = [mine if r == self.ring.rank else tuple(self._take(timing, key, r))
-                 for r in range(self.ring.size)]
-        return merge_partials(parts)
-
-    def _ring_partials(self, call: LayerCall, q, k, v, k_pos):
-        """Decode over the ring: every rank holds the same query; partial outputs go around the
-        ring (N-1 hops) and are merged in rank order, so all ranks agree bit for bit."""
-        n, layer = self.ring.size, call.layer
-        timing = self.step_timing(layer, 0)
-        parts = {self.ring.rank: self._timed_local(call, timing, q, self.q_positions, k, v, k_pos)}
-        block = list(parts[self.ring.rank])
-        for step in range(n - 1):
-            self._send(timing, self._key(layer, step, pb.PARTIAL), block)
-            timing = self.step_timing(layer, step + 1)
-            block = self._take(timing, self._key(layer, step, pb.PARTIAL))
-            parts[(self.ring.rank - step - 1) % n] = tuple(block)
-        return merge_partials([parts[r] for r in range(n)])
 
 
 class ShardCache:
@@ -326,27 +210,19 @@ def _flatten_rows(x: mx.array) -> mx.array:
     return x.transpose(1, 0, 2, 3).reshape(1, heads, rows * chunk, dim)
 
 
-def _empty_partial(q: mx.array, value_dim: int) -> tuple[mx.array, mx.array]:
+def empty_partial(q: mx.array, value_dim: int) -> Partial:
+    """What attention over no key gives: out = 0, lse = -inf."""
     return mx.zeros((*q.shape[:-1], value_dim), mx.float32), mx.full(q.shape[:-1], float("-inf"))
 
 
-def _empty_kv(q: mx.array) -> list[mx.array]:
+def empty_kv(q: mx.array) -> list[mx.array]:
+    """A block of no keys, values and positions, to send where a rank holds none."""
     shape = (1, 1, 0, q.shape[-1])
     return [mx.zeros(shape, q.dtype), mx.zeros(shape, q.dtype), mx.zeros((0,), mx.int32)]
 
 
-def _kv_block(q: mx.array, k: mx.array | None, v: mx.array | None, k_pos: np.ndarray) -> list[mx.array]:
+def kv_block(q: mx.array, k: mx.array | None, v: mx.array | None, k_pos: np.ndarray) -> list[mx.array]:
     """This rank's keys, values and key positions as a block that can travel (empty if it holds none)."""
     if k is None or len(k_pos) == 0:
-        return _empty_kv(q)
+        return empty_kv(q)
     return [k, v, mx.array(k_pos)]
-
-
-def _select_heads(kv: list[mx.array], index: range | list[int]) -> list[mx.array]:
-    k, v, k_pos = kv
-    if k.shape[2] == 0:
-        return kv
-    if isinstance(index, range):
-        return [k[:, index.start:index.stop], v[:, index.start:index.stop], k_pos]
-    index = mx.array(index)
-    return [mx.take(k, index, axis=1), mx.take(v, index, axis=1), k_pos]

@@ -18,27 +18,25 @@ import mlx.core as mx
 import numpy as np
 
 from cpchat.checkpoints.resolve import is_checkpoint, model_dir
+from cpchat.core.algorithms import BY_NAME
 from cpchat.core.attention import partial_attention
 from cpchat.core.estimate import PrefillCost, line_through
 from cpchat.core.sharding import head_tail_layout, owner_of
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import context_parallel, fit, latent_attention, linear_layers
+from cpchat.rank.algorithms import DECODE, PREFILL
 from cpchat.rank.context_parallel import RingPass, ShardCache, StepTiming
 from cpchat.rank.cpu_products import use_float32_products
 from cpchat.rank.fit import LayerAttention, LayerRecurrence, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.linear_layers import StateCache
-from cpchat.rank.ring import Aborted, Mailbox, Ring
 from cpchat.rank.statestore import StateStore
-from cpchat.rank.wire import BlockKey
+from cpchat.rank.transport.ring import Aborted, Mailbox, Ring
+from cpchat.rank.transport.wire import BlockKey
 
 
 class BadRequest(ValueError):
     pass
-
-
-PREFILL_MODES = {pb.ALGORITHM_UNSPECIFIED: "pass_kv", pb.PASS_KV: "pass_kv", pb.PASS_Q: "pass_q",
-                 pb.ALL_GATHER: "all_gather", pb.ULYSSES: "ulysses"}
 
 
 @dataclass
@@ -125,7 +123,7 @@ def _probe_forward(model, chunk: int = 3) -> fit.ProbeResult:
     ring = Ring(0, 1, {}, Mailbox(lambda frame, size: None))
     positions = np.arange(2 * chunk)
     ring_pass = RingPass(
-        request_id="probe", mode="pass_kv", ring=ring, kv=kv, row_offsets=mx.array([0, chunk]),
+        request_id="probe", algorithm="pass_kv", ring=ring, kv=kv, row_offsets=mx.array([0, chunk]),
         q_positions=positions, real=np.ones(2 * chunk, bool), store=True,
         abort=threading.Event(), windows=[s.window for s in slots], linear=linear, states=StateStore(),
         seq_len=2 * chunk,
@@ -285,7 +283,7 @@ class Engine:
         self.kv.begin_append(positions[real])
         ring_pass = RingPass(
             request_id=req.request_id,
-            mode=PREFILL_MODES[req.algorithm],
+            algorithm=PREFILL[req.algorithm].name,
             ring=ring,
             kv=self.kv,
             row_offsets=mx.array([start + s for s in layout.starts]),
@@ -315,7 +313,7 @@ class Engine:
             self.kv.begin_append(np.array([position]))
         ring_pass = RingPass(
             request_id=req.request_id,
-            mode="decode_ring" if req.decode == pb.DECODE_RING else "decode_exchange",
+            algorithm=DECODE[req.decode].name,
             ring=ring,
             kv=self.kv,
             row_offsets=position,
@@ -336,7 +334,8 @@ class Engine:
 
     def _record(self, ring_pass: RingPass) -> None:
         self.last_timings = ring_pass.timings
-        self.last_algorithm = ring_pass.mode
+        algorithm = BY_NAME[ring_pass.algorithm]  # RankStats.algorithm names a decode pass "decode_NAME"
+        self.last_algorithm = algorithm.name if algorithm.stage == "prefill" else f"decode_{algorithm.name}"
 
     # ---- the generation loop
 
@@ -345,9 +344,9 @@ class Engine:
             raise BadRequest("no model is loaded")
         if not req.tokens:
             raise BadRequest("the request has no tokens")
-        if req.algorithm not in PREFILL_MODES:
+        if req.algorithm not in PREFILL:
             raise BadRequest(f"unknown algorithm {req.algorithm}")
-        if req.decode not in (pb.DECODE_UNSPECIFIED, pb.DECODE_EXCHANGE, pb.DECODE_RING):
+        if req.decode not in DECODE:
             raise BadRequest(f"unknown decode exchange {req.decode}")
         bad = [t for t in req.tokens if t >= self.info.vocab_size]
         if bad:

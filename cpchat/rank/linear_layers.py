@@ -41,7 +41,7 @@ from cpchat.core.recurrence import add_start_state, fold, stacked_start
 from cpchat.core.sharding import head_tail_layout
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.fit import UnsupportedModel, mix_in
-from cpchat.rank.wire import BlockKey, block_nbytes
+from cpchat.rank.transport.wire import BlockKey, block_nbytes
 
 if TYPE_CHECKING:
     from cpchat.rank.context_parallel import RingPass

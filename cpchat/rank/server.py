@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import math
 import os
@@ -15,7 +14,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from concurrent import futures
-from dataclasses import dataclass
 
 import grpc
 import mlx.core as mx
@@ -26,43 +24,32 @@ from grpc_reflection.v1alpha import reflection
 
 from cpchat import blas
 from cpchat.checkpoints import CheckpointError
-from cpchat.core.estimate import PrefillCost
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
-from cpchat.rank.data_plane import DataPlane, DataPlaneLink, available_backends, check_backend, free_port
+from cpchat.protocol.channel import SERVER_KEEPALIVE, TokenCheck, open_channel, token_metadata
+from cpchat.rank.calibration import MAX_PROBE_BYTES, PROBE_BYTES, Calibration, calibrate
 from cpchat.rank.engine import BadRequest, Engine, UnsupportedModel
-from cpchat.rank.ring import Aborted, Link, Mailbox, Ring, RingBroken, RingLink
-from cpchat.rank.shm import SharedMemoryLink, SharedMemoryListener
-from cpchat.rank.wire import CHUNK_BYTES, DTYPES, MAX_BLOCK_BYTES, BlockKey, FrameError, parse_frame
+from cpchat.rank.transport.data_plane import (
+    DataPlane,
+    DataPlaneLink,
+    available_backends,
+    check_backend,
+    free_port,
+)
+from cpchat.rank.transport.ring import Aborted, Link, Mailbox, Ring, RingBroken, RingLink
+from cpchat.rank.transport.shm import SharedMemoryLink, SharedMemoryListener
+from cpchat.rank.transport.wire import CHUNK_BYTES, DTYPES, MAX_BLOCK_BYTES, FrameError, parse_frame
 
-TOKEN_HEADER = "x-cpchat-token"
 MAX_MESSAGE = CHUNK_BYTES + (64 << 10)  # one chunk and its header
-KEEPALIVE = [
-    ("grpc.keepalive_time_ms", 1000),
-    ("grpc.keepalive_timeout_ms", 2000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-# A ring link is a fresh channel per ring: do not share (and wait out) the reconnect backoff of
-# an earlier channel to the same neighbour, e.g. one whose network link was down.
-RING_CHANNEL = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_reconnect_backoff_ms", 1000)]
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
-    ("grpc.http2.min_ping_interval_without_data_ms", 500),
-    ("grpc.http2.max_ping_strikes", 0),
-    *KEEPALIVE,
+    *SERVER_KEEPALIVE,
 ]
-PROBE_BYTES = 4 << 20
-MAX_PROBE_BYTES = 256 << 20
 MAX_RING = 256  # ranks in one ring
 MAX_ID = 128  # characters in a request or ring id
 MAX_DIMS = 8
 WIND_DOWN_S = 5.0  # how long Configure waits for an aborted request to roll back
-CALIBRATE_TIMEOUT_S = 30.0
-LATENCY_ROUNDS = 5
-MAX_PAIRWISE_PROBES = 16  # ranks; larger rings time their neighbours' links only
-PROBE_BANDWIDTH, PROBE_PING, PROBE_ECHO, PROBE_EXCHANGE = range(4)  # the `layer` of calibration probes
 CONTROL_SERVICE = pb.DESCRIPTOR.services_by_name["Control"].full_name
 RING_SERVICE = pb.DESCRIPTOR.services_by_name["Ring"].full_name
 # What grpc.health.v1.Health reports on: the whole server ("") and the Control service.
@@ -71,17 +58,6 @@ SERVING_STATES = frozenset({"ready", "busy"})  # a generation running is still s
 _END = object()
 # Frames of a ring pass: their layer must be the model's, their step inside the ring.
 LAYER_KINDS = frozenset({pb.KV, pb.QUERY, pb.PARTIAL, pb.GATHER, pb.HEADS, pb.OUTPUT, pb.HALO, pb.STATE})
-
-
-@dataclass
-class Calibration:
-    """What Calibrate measures on one rank (see CalibrateReply)."""
-
-    flops_per_s: float
-    ring_bytes_per_s: float
-    prefill: PrefillCost
-    link_latency_s: list[float]
-    exchange_latency_s: float
 
 
 class NotNow(BadRequest):
@@ -100,6 +76,39 @@ def check_ring(rank: int, addresses: list[str], ring_id: str) -> None:
             raise BadRequest(f"bad rank address {a[:60]!r}: expected host:port")
     if len(ring_id) > MAX_ID:
         raise BadRequest(f"ring_id longer than {MAX_ID} characters")
+
+
+def check_frame(f: pb.Frame, data_bytes: int, ring: Ring | None, ring_id: str, layers: int) -> None:
+    """Refuse a frame whose header does not fit this ring, this model or the byte limits
+    (before any of its bytes are kept)."""
+    if ring is None or f.ring_id != ring_id:
+        raise FrameError("frame for a ring this rank is not part of")
+    if len(f.request_id) > MAX_ID:
+        raise FrameError(f"request_id longer than {MAX_ID} characters")
+    size = ring.size
+    if f.source_rank >= size or f.source_rank == ring.rank:
+        raise FrameError(f"source_rank {f.source_rank} is not another rank of the ring of {size}")
+    if f.kind in LAYER_KINDS:
+        if f.layer >= layers:
+            raise FrameError(f"layer {f.layer} outside the model's {layers} layers")
+        if f.step >= (2 * size if f.kind == pb.PARTIAL else size):
+            raise FrameError(f"step {f.step} outside a ring of {size}")
+    elif f.kind not in (pb.TOKEN, pb.PROBE):
+        raise FrameError(f"unknown frame kind {f.kind}")
+    if f.dtype not in DTYPES:
+        raise FrameError(f"dtype {f.dtype!r} is not one of {', '.join(DTYPES)}")
+    if len(f.shape) > MAX_DIMS:
+        raise FrameError(f"{len(f.shape)} dimensions; at most {MAX_DIMS}")
+    nbytes = math.prod(f.shape) * DTYPES[f.dtype][0].itemsize  # Python ints: no overflow
+    if nbytes > MAX_BLOCK_BYTES:
+        raise FrameError(f"tensor of {nbytes} bytes exceeds the {MAX_BLOCK_BYTES} byte limit")
+    if data_bytes > CHUNK_BYTES:
+        raise FrameError(f"frame of {data_bytes} bytes exceeds the {CHUNK_BYTES} byte chunk limit")
+
+
+def ring_channel(address: str, tls_ca: bytes | None) -> grpc.Channel:
+    """A new channel to another rank, for one link of one ring."""
+    return open_channel(address, tls_ca, [("grpc.max_send_message_length", MAX_MESSAGE)])
 
 
 def serving(state: str, model_loaded: bool) -> bool:
@@ -233,14 +242,15 @@ class RankState:
         """The data plane where it reaches `peer`; else shared memory to a rank whose endpoint this
         rank can reach (one on this host); else gRPC."""
         if plane is not None and plane.reaches(peer):
-            return DataPlaneLink(plane, peer, self.channel(address), self.ring_id, self.rank, address,
-                                 self.metadata())
+            return DataPlaneLink(plane, peer, ring_channel(address, self.tls_ca), self.ring_id, self.rank,
+                                 address, token_metadata(self.token))
         if shm_endpoint:
             try:
                 return SharedMemoryLink(shm_endpoint, self.ring_id, self.rank, address, self.token)
             except OSError:
                 pass  # on another host (or network namespace)
-        return RingLink(self.channel(address), self.ring_id, self.rank, address, self.metadata())
+        return RingLink(ring_channel(address, self.tls_ca), self.ring_id, self.rank, address,
+                        token_metadata(self.token))
 
     def _acquire_for_configure(self) -> bool:
         """Take the rank at once if idle; wait a little only for a request that is already
@@ -250,42 +260,10 @@ class RankState:
         abort = self.abort
         return abort is not None and abort.is_set() and self.busy.acquire(timeout=WIND_DOWN_S)
 
-    def channel(self, address: str) -> grpc.Channel:
-        options = [("grpc.max_send_message_length", MAX_MESSAGE), *KEEPALIVE, *RING_CHANNEL]
-        if self.tls_ca is not None:
-            return grpc.secure_channel(address, grpc.ssl_channel_credentials(self.tls_ca), options)
-        return grpc.insecure_channel(address, options)
-
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((TOKEN_HEADER, self.token),) if self.token else ()
-
     def validate_frame(self, f: pb.Frame, data_bytes: int) -> None:
-        """Refuse a frame whose header does not fit this ring, this model or the byte limits
-        (before any of its bytes are kept)."""
-        if self.ring is None or f.ring_id != self.ring_id:
-            raise FrameError("frame for a ring this rank is not part of")
-        if len(f.request_id) > MAX_ID:
-            raise FrameError(f"request_id longer than {MAX_ID} characters")
-        size = self.ring.size
-        if f.source_rank >= size or f.source_rank == self.ring.rank:
-            raise FrameError(f"source_rank {f.source_rank} is not another rank of the ring of {size}")
-        if f.kind in LAYER_KINDS:
-            layers = self.engine.info.num_layers if self.engine.info else 0
-            if f.layer >= layers:
-                raise FrameError(f"layer {f.layer} outside the model's {layers} layers")
-            if f.step >= (2 * size if f.kind == pb.PARTIAL else size):
-                raise FrameError(f"step {f.step} outside a ring of {size}")
-        elif f.kind not in (pb.TOKEN, pb.PROBE):
-            raise FrameError(f"unknown frame kind {f.kind}")
-        if f.dtype not in DTYPES:
-            raise FrameError(f"dtype {f.dtype!r} is not one of {', '.join(DTYPES)}")
-        if len(f.shape) > MAX_DIMS:
-            raise FrameError(f"{len(f.shape)} dimensions; at most {MAX_DIMS}")
-        nbytes = math.prod(f.shape) * DTYPES[f.dtype][0].itemsize  # Python ints: no overflow
-        if nbytes > MAX_BLOCK_BYTES:
-            raise FrameError(f"tensor of {nbytes} bytes exceeds the {MAX_BLOCK_BYTES} byte limit")
-        if data_bytes > CHUNK_BYTES:
-            raise FrameError(f"frame of {data_bytes} bytes exceeds the {CHUNK_BYTES} byte chunk limit")
+        """The mailbox's check of each frame that arrives: `check_frame` against the ring now."""
+        layers = self.engine.info.num_layers if self.engine.info else 0
+        check_frame(f, data_bytes, self.ring, self.ring_id, layers)
 
     def receive(self, frame: pb.Frame, data: memoryview, array: mx.array | None = None) -> None:
         """One frame from a link (its bytes, and the MLX array they are a view of if the link made
@@ -325,88 +303,6 @@ class RankState:
             return False
         abort.set()
         return True
-
-    def calibrate(self, probe_bytes: int = PROBE_BYTES, rounds: int = 3) -> Calibration:
-        """Matrix-product speed, the ring's bandwidth, the links' latency and the loaded model's
-        prefill cost. Every rank runs this together."""
-        n = 512
-        a = mx.random.normal((n, n))
-        mx.eval(a @ a)
-        t0 = time.perf_counter()
-        for _ in range(8):
-            mx.eval(a @ a)
-        flops = 8 * 2 * n**3 / (time.perf_counter() - t0)
-        calibration = Calibration(flops, float("inf"), self.engine.prefill_cost, [0.0] * self.ring.size, 0.0)
-        if self.ring.size == 1:
-            return calibration
-        abort = threading.Event()
-        deadline = threading.Timer(CALIBRATE_TIMEOUT_S, abort.set)  # a hung neighbour frees the MLX thread
-        deadline.start()
-        request_id = f"calibrate-{self.ring_id}-{self.calibrations}"
-        self.calibrations += 1
-        try:
-            calibration.ring_bytes_per_s = self._ring_bandwidth(request_id, probe_bytes, rounds, abort)
-            calibration.link_latency_s = self._link_latency(request_id, abort)
-            calibration.exchange_latency_s = self._exchange_latency(request_id, abort)
-        finally:
-            deadline.cancel()
-            self.ring.mailbox.forget(request_id)
-        return calibration
-
-    def _ring_bandwidth(self, request_id: str, probe_bytes: int, rounds: int,
-                        abort: threading.Event) -> float:
-        """Bytes per second of a large block sent to the next rank while every rank does the same.
-        The whole run is timed, not its best round: a neighbour that runs a round ahead makes a
-        single round look faster than the link is."""
-        block = [mx.zeros((probe_bytes // 4,), mx.float32)]
-        for round_ in range(rounds + 1):  # the first one warms the link up, untimed
-            if round_ == 1:
-                t0 = time.perf_counter()
-            key = BlockKey(request_id, PROBE_BANDWIDTH, round_, pb.PROBE)
-            self.ring.send(key, block)
-            self.ring.take(key, abort)
-        return block[0].nbytes * rounds / (time.perf_counter() - t0)
-
-    def _link_latency(self, request_id: str, abort: threading.Event) -> list[float]:
-        """One way, to each rank: half the best round trip of a small ping this rank sends and the
-        peer echoes. Pairs take turns in one order on every rank (ring neighbours only in rings
-        larger than MAX_PAIRWISE_PROBES)."""
-        size, me, tiny = self.ring.size, self.ring.rank, [mx.zeros((1,), mx.float32)]
-        pairs = [(a, b) for a in range(size) for b in range(size) if a != b]
-        if size > MAX_PAIRWISE_PROBES:
-            pairs = [(a, (a + 1) % size) for a in range(size)]
-        latency = [0.0] * size
-        for sender, peer in pairs:
-            if me not in (sender, peer):
-                continue
-            best = float("inf")
-            for round_ in range(LATENCY_ROUNDS):
-                ping = BlockKey(request_id, PROBE_PING, round_, pb.PROBE)
-                echo = BlockKey(request_id, PROBE_ECHO, round_, pb.PROBE)
-                if me == sender:
-                    t0 = time.perf_counter()
-                    self.ring.send(ping, tiny, to=peer)
-                    self.ring.take(echo, abort, source=peer)
-                    best = min(best, time.perf_counter() - t0)
-                else:
-                    self.ring.take(ping, abort, source=sender)
-                    self.ring.send(echo, tiny, to=sender)
-            if me == sender:
-                latency[peer] = best / 2
-        return latency
-
-    def _exchange_latency(self, request_id: str, abort: threading.Event) -> float:
-        """Seconds for a small message to every other rank and one from each, at once (the pattern
-        of the one-step decode exchange), averaged over rounds after a warm-up."""
-        tiny = [mx.zeros((1,), mx.float32)]
-        for round_ in range(LATENCY_ROUNDS + 1):
-            if round_ == 1:
-                t0 = time.perf_counter()
-            key = BlockKey(request_id, PROBE_EXCHANGE, round_, pb.PROBE)
-            self.ring.send_all(key, tiny, self.ring.peers)
-            for peer in self.ring.peers:
-                self.ring.take(key, abort, source=peer)
-        return (time.perf_counter() - t0) / LATENCY_ROUNDS
 
     def stats(self) -> pb.RankStats:
         kv = self.engine.kv
@@ -478,7 +374,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             probe = min(request.probe_bytes or PROBE_BYTES, MAX_PROBE_BYTES)
             if self.s.ring is None:
                 raise NotNow("this rank is not part of a ring yet (Configure first)")
-            c = self.s.on_mlx(self.s.calibrate, probe, min(request.rounds, 20) or 3)
+            c = self.s.on_mlx(self._calibrate, probe, min(request.rounds, 20) or 3)
         except (RingBroken, Aborted) as e:
             context.abort(grpc.StatusCode.ABORTED, str(e))
         except BadRequest as e:
@@ -487,6 +383,12 @@ class ControlServicer(pb_grpc.ControlServicer):
                                  prefill_fixed_s=c.prefill.fixed_s, prefill_per_token_s=c.prefill.per_token_s,
                                  prefill_per_pair_s=c.prefill.per_pair_s, link_latency_s=c.link_latency_s,
                                  exchange_latency_s=c.exchange_latency_s)
+
+    def _calibrate(self, probe_bytes: int, rounds: int) -> Calibration:
+        """On the MLX thread, one calibration at a time: probe ids count up per ring, alike on every rank."""
+        request_id = f"calibrate-{self.s.ring_id}-{self.s.calibrations}"
+        self.s.calibrations += 1
+        return calibrate(self.s.ring, request_id, self.s.engine.prefill_cost, probe_bytes, rounds)
 
     def Generate(self, request, context):
         try:
@@ -624,34 +526,6 @@ def add_probe_services(state: RankState, server: grpc.Server) -> None:
     reflection.enable_server_reflection(
         (CONTROL_SERVICE, RING_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-
-
-class TokenCheck(grpc.ServerInterceptor):
-    """Refuse every RPC (control, ring, health and reflection) that lacks the cluster token, before
-    any servicer runs; the refusal says nothing about the rank."""
-
-    def __init__(self, token: str) -> None:
-        self.token = token.encode()
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
-
-        self._deny = {
-            (False, False): grpc.unary_unary_rpc_method_handler(deny),
-            (False, True): grpc.unary_stream_rpc_method_handler(deny),
-            (True, False): grpc.stream_unary_rpc_method_handler(deny),
-            (True, True): grpc.stream_stream_rpc_method_handler(deny),
-        }
-
-    def intercept_service(self, continuation, details):
-        given = [v for k, v in details.invocation_metadata if k == TOKEN_HEADER]
-        value = given[0] if len(given) == 1 and isinstance(given[0], str) else ""
-        if hmac.compare_digest(value.encode(), self.token):  # constant time
-            return continuation(details)
-        handler = continuation(details)
-        if handler is None:
-            return self._deny[(False, False)]
-        return self._deny[(handler.request_streaming, handler.response_streaming)]
 
 
 def serve(

@@ -30,8 +30,8 @@ import mlx.core as mx
 import numpy as np
 
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank.ring import RingLink
-from cpchat.rank.wire import CHUNK_BYTES, FrameError, block_chunks, block_frame
+from cpchat.rank.transport.ring import RingLink
+from cpchat.rank.transport.wire import CHUNK_BYTES, FrameError, block_chunks, block_frame
 
 BACKENDS = ("ring",)  # the mx.distributed backends cpchat forms, fastest first
 FORM_TIMEOUT_S = 30.0  # for every rank to join the group (the front end waits longer)

@@ -2,7 +2,7 @@
 algorithms use the one to the next rank; all-gather, Ulysses and the one-step
 decode exchange use them all), and a mailbox for the blocks that arrive, keyed
 by their sender. A link is a gRPC stream, or shared memory to a rank on the
-same host (cpchat/rank/shm.py).
+same host (cpchat/rank/transport/shm.py).
 
 Sending is asynchronous (a queue drained by gRPC's own thread), so the
 engine computes on one block while the next travels. Tensors cross threads
@@ -20,7 +20,15 @@ import grpc
 import mlx.core as mx
 
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank.wire import BlockAssembler, BlockKey, FrameError, HostTensor, block_frames, to_host, to_mlx
+from cpchat.rank.transport.wire import (
+    BlockAssembler,
+    BlockKey,
+    FrameError,
+    HostTensor,
+    block_frames,
+    to_host,
+    to_mlx,
+)
 
 _CLOSE = object()
 

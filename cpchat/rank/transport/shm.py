@@ -30,8 +30,8 @@ import mlx.core as mx
 import numpy as np
 
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank.ring import Link
-from cpchat.rank.wire import CHUNK_BYTES, BlockKey, FrameError, HostTensor, block_chunks
+from cpchat.rank.transport.ring import Link
+from cpchat.rank.transport.wire import CHUNK_BYTES, BlockKey, FrameError, HostTensor, block_chunks
 
 CAPACITY = 64 << 20  # each link's ring buffer: 16 chunks in flight
 MAX_CAPACITY = 1 << 30  # the largest buffer a listener maps

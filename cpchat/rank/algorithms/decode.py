@@ -1,0 +1,44 @@
+"""A decode step's exchange: every rank holds the same one query and its own share of the keys.
+
+Each rank computes its partial output (cpchat.core.attention.partial_attention) and the N partials
+are merged in rank order on every rank (merge_partials), so all ranks agree bit for bit and go on
+with the same token. `exchange` sends them to every rank at once (one step), `ring` around the
+ring (N-1 hops)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from cpchat.core.attention import merge_partials
+from cpchat.protocol import cpchat_pb2 as pb
+from cpchat.rank.context_parallel import LayerCall, Partial, RingPass
+
+
+def exchange(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.array | None,
+             k_pos: np.ndarray) -> Partial:
+    """Every rank sends its partial output to every other rank at once."""
+    layer, key = call.layer, rp.key(call.layer, 0, pb.PARTIAL)
+    timing = rp.step_timing(layer, 0)
+    mine = rp.partial(call, timing, q, rp.q_positions, k, v, k_pos)
+    if rp.ring.size == 1:
+        return mine
+    rp.send(timing, key, list(mine), to=rp.ring.peers)
+    timing = rp.step_timing(layer, 1)
+    parts = [mine if r == rp.ring.rank else tuple(rp.take(timing, key, r)) for r in range(rp.ring.size)]
+    return merge_partials(parts)
+
+
+def ring(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.array | None,
+         k_pos: np.ndarray) -> Partial:
+    """Partial outputs travel the ring (N-1 hops), each rank keeping every one that passes."""
+    n, layer = rp.ring.size, call.layer
+    timing = rp.step_timing(layer, 0)
+    parts = {rp.ring.rank: rp.partial(call, timing, q, rp.q_positions, k, v, k_pos)}
+    block = list(parts[rp.ring.rank])
+    for step in range(n - 1):
+        rp.send(timing, rp.key(layer, step, pb.PARTIAL), block)
+        timing = rp.step_timing(layer, step + 1)
+        block = rp.take(timing, rp.key(layer, step, pb.PARTIAL))
+        parts[(rp.ring.rank - step - 1) % n] = tuple(block)
+    return merge_partials([parts[r] for r in range(n)])
