@@ -129,6 +129,19 @@ def run_rank(argv: list[str]) -> int:
     return EXIT_OK
 
 
+def print_config(args: argparse.Namespace) -> int:
+    """`cpchat --print-config`: every setting, its value, and where the value came from."""
+    from cpchat.client.settings import format_config, resolve_settings
+
+    try:
+        settings = resolve_settings(args)
+    except BadInput as e:
+        print(f"cpchat: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(format_config(settings))
+    return EXIT_OK
+
+
 def cluster_options(args: argparse.Namespace) -> ClusterOptions:
     return ClusterOptions(args.attach, args.hostfile, args.token_file, args.tls_ca, args.transport,
                           args.launch, args.devices)
@@ -153,8 +166,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return print_conversations(data_dir() / "transcripts")
     if args.print_config:
-        from cpchat.tui.config import print_config
-
         return print_config(args)
     if args.headless:
         from cpchat.headless import run_headless

@@ -12,13 +12,12 @@ from pathlib import Path
 
 from cpchat import EXIT_BACKEND, EXIT_OK, EXIT_USAGE
 from cpchat.checkpoints.resolve import DownloadLines
-from cpchat.client.connect import ClusterOptions, connect_cluster
+from cpchat.client.connect import ClusterOptions
 from cpchat.client.events import EVENT_NAMES, Error, Progress, RankAddress, Ready, Token
-from cpchat.client.hub import front_end_copy
-from cpchat.client.session import SamplingOptions, Session, load_tokenizer
-from cpchat.client.settings import resolve_model, resolve_settings
-from cpchat.core.estimate import human_duration
+from cpchat.client.frontend import Frontend
+from cpchat.client.settings import resolve_settings
 from cpchat.errors import BackendError, BadInput
+from cpchat.format import human_duration
 
 LONG_PREFILL_S = 30  # a prefill longer than this is announced on stderr, with its estimate
 
@@ -49,7 +48,11 @@ class Output:
     def error(self, message: str) -> None:
         if self.as_json:
             self.event(Error(message))
-        print(f"cpchat: {message}", file=sys.stderr, flush=True)
+        diagnostic(message)
+
+
+def diagnostic(line: str) -> None:
+    print(f"cpchat: {line}", file=sys.stderr, flush=True)
 
 
 def read_turns(args: argparse.Namespace) -> Iterator[tuple[str, list[str]]]:
@@ -93,7 +96,7 @@ def _terminate(signum, frame) -> None:
 def run_headless(args: argparse.Namespace, options: ClusterOptions) -> int:
     out = Output(args.json, args.progress)
     signal.signal(signal.SIGTERM, _terminate)
-    cluster = None
+    front = None
     try:
         settings = resolve_settings(args)
         for doc in args.doc:
@@ -101,20 +104,18 @@ def run_headless(args: argparse.Namespace, options: ClusterOptions) -> int:
                 raise BadInput(f"document {doc} does not exist (no such file or folder)")
         if args.prompt_file is not None and not Path(args.prompt_file).is_file():
             raise BadInput(f"prompt file {args.prompt_file} does not exist")
-        model_path, description = resolve_model(settings.model)
+        front = Frontend(settings, options, say=diagnostic)
+        description = front.start(DownloadLines())
         if not settings.model:
-            print(f"cpchat: using {description}", file=sys.stderr)
-        tokenizer = load_tokenizer(front_end_copy(model_path, whole_model=not options.attached,
-                                                  report=DownloadLines()))
-        cluster = connect_cluster(options, settings.ranks, settings.blas)
-        cluster.load(model_path)
+            diagnostic(f"using {description}")
+        cluster = front.cluster
+        assert cluster is not None
         out.event(Ready(settings.model or "demo",
                         [RankAddress(r.rank, r.address, r.blas_label) for r in cluster.ranks],
                         transport=cluster.transport_label))
         if warning := cluster.slow_blas_warning():
-            print(f"cpchat: {warning}", file=sys.stderr, flush=True)
-        sampling = SamplingOptions(settings.max_tokens, settings.temp, settings.top_p, settings.seed)
-        session = Session(cluster, tokenizer, raw=args.raw, algorithm=settings.algorithm, sampling=sampling)
+            diagnostic(warning)
+        session = front.session_for([], raw=args.raw)
         for text, docs in read_turns(args):
             turn = session.prepare(text, docs)
             estimate = session.prefill_estimate_s(turn) if session.fits(turn) else None
@@ -135,5 +136,5 @@ def run_headless(args: argparse.Namespace, options: ClusterOptions) -> int:
         out.error("interrupted")
         return 130
     finally:
-        if cluster is not None:
-            cluster.close()
+        if front is not None:
+            front.close(generating=False)

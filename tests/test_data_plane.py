@@ -16,8 +16,8 @@ from rankprocs import CPCHAT, start_ranks, stop_all, write_token
 from test_exactness import ALGORITHMS, assert_same
 
 from cpchat.client.cluster import Cluster
+from cpchat.client.generation import GenerationRequest, LayerDone
 from cpchat.errors import BackendError, BadInput
-from cpchat.protocol import cpchat_pb2 as pb
 
 DETECT_S = 5.0
 
@@ -124,9 +124,9 @@ def test_a_rank_killed_mid_prefill_is_named_and_the_survivors_answer(model_dir, 
             ids = random_prompt(path, 3000, seed=1)
             fault = None
             with pytest.raises(BackendError) as err:
-                request = pb.GenerateRequest(tokens=ids, max_tokens=4, algorithm=pb.PASS_KV)
+                request = GenerationRequest(ids, max_tokens=4, algorithm="pass_kv")
                 for event in cluster.generate(request):
-                    if event.WhichOneof("event") == "progress" and fault is None:
+                    if isinstance(event, LayerDone) and fault is None:
                         os.kill(ranks[2].pid, signal.SIGKILL)
                         fault = time.monotonic()
             assert time.monotonic() - fault < DETECT_S

@@ -42,7 +42,7 @@ def test_device_choices():
         rank_devices("0", [])
 
 
-def test_local_ranks_are_pinned_one_per_gpu_in_turn(monkeypatch, model_dir):
+def test_local_ranks_are_pinned_one_per_gpu_in_turn(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     cluster = Cluster.launch(3)
     try:

@@ -18,6 +18,7 @@ from helpers import random_prompt, reference_generate, reference_model, run_raw
 from rankprocs import CPCHAT, RankProc, start_ranks, stop_all, write_token
 
 from cpchat.client.cluster import Cluster
+from cpchat.client.generation import GenerationRequest, LayerDone
 from cpchat.errors import BackendError
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.smallmodels import write_model
@@ -90,8 +91,8 @@ def test_sigkill_mid_prefill_names_the_rank_and_layer(ring3, deep_model):
     ids = random_prompt(deep_model, 1500, seed=1)
     fault = None
     with pytest.raises(BackendError) as err:
-        for event in cluster.generate(pb.GenerateRequest(tokens=ids, max_tokens=4, algorithm=pb.PASS_KV)):
-            if event.WhichOneof("event") == "progress" and fault is None:
+        for event in cluster.generate(GenerationRequest(ids, max_tokens=4, algorithm="pass_kv")):
+            if isinstance(event, LayerDone) and fault is None:
                 os.kill(victim.pid, signal.SIGKILL)  # the first layer is done: prefill is under way
                 fault = time.monotonic()
     detected = time.monotonic() - fault

@@ -339,10 +339,9 @@ def test_stats_stream_reports_the_end_of_a_request_at_once(clusters, model_dir):
 
 
 def cluster_tokens(cluster, ids):
-    from cpchat.protocol import cpchat_pb2 as pb
+    from cpchat.client.generation import GenerationRequest, TokenOut
 
-    request = pb.GenerateRequest(tokens=ids, max_tokens=3)
-    return [e.token for e in cluster.generate(request) if e.WhichOneof("event") == "token"]
+    return [e for e in cluster.generate(GenerationRequest(ids, max_tokens=3)) if isinstance(e, TokenOut)]
 
 
 def test_rank_that_fails_to_start_exits_3(model_dir, tmp_path):

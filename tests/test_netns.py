@@ -23,6 +23,7 @@ from helpers import reference_generate, reference_model
 from rankprocs import CPCHAT, RankProc, ranks_started_with, start_ranks, stop_all, wait_gone, write_token
 
 from cpchat.client.cluster import Cluster
+from cpchat.client.generation import GenerationRequest, TokenOut
 from cpchat.errors import BackendError
 from cpchat.protocol import cpchat_pb2 as pb
 
@@ -265,8 +266,8 @@ def assert_answers(addresses: list[str], path: Path) -> None:
         cluster.load(str(path))
         _, tokenizer = reference_model(path)
         ids = tokenizer.encode(PROMPT, add_special_tokens=False)
-        request = pb.GenerateRequest(tokens=ids, max_tokens=6, stop_tokens=sorted(tokenizer.eos_token_ids))
-        got = [e.token.id for e in cluster.generate(request) if e.WhichOneof("event") == "token"]
+        request = GenerationRequest(ids, max_tokens=6, stop_tokens=sorted(tokenizer.eos_token_ids))
+        got = [e.id for e in cluster.generate(request) if isinstance(e, TokenOut)]
         assert got == [t for t in expected_tokens(path, 6) if t not in tokenizer.eos_token_ids]
     finally:
         cluster.close()

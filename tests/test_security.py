@@ -11,15 +11,16 @@ from pathlib import Path
 import grpc
 import pytest
 from helpers import random_prompt, reference_generate, reference_model, run_raw
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from rankprocs import CPCHAT, make_certs, start_ranks, stop_all, write_token
 
 from cpchat.client.cluster import Cluster
+from cpchat.client.generation import GenerationRequest, TokenOut
 from cpchat.errors import BackendError, BadInput
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
-from cpchat.rank.wire import CHUNK_BYTES, DTYPES
+from cpchat.rank.transport.wire import CHUNK_BYTES, DTYPES
 
 TOKEN = "s3cret-cluster-token"
 AUTH = (("x-cpchat-token", TOKEN),)
@@ -162,19 +163,21 @@ def _prod(values: list[int]) -> int:
     return n
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.sampled_from(sorted(MUTATIONS)), min_size=1, max_size=3, unique=True).flatmap(
-    lambda names: st.tuples(*(MUTATIONS[n] for n in names))))
-def test_malformed_frames_are_refused(secured, mutations):
-    fields = {k: v for m in mutations for k, v in m.items()}
-    ring = pb_grpc.RingStub(secured.ranks[0].channel)
-    details = refused(lambda: ring.Link(iter([link_frame(secured, **fields)]), timeout=10, metadata=AUTH),
-                      grpc.StatusCode.INVALID_ARGUMENT)
-    assert details.startswith("bad frame: ")
-    assert secured.ranks[0].control.Health(pb.HealthRequest(), timeout=5, metadata=AUTH).state == "ready"
+def test_malformed_frames_are_refused_and_the_ranks_serve_on(secured, model_dir):
+    """Every malformed frame is refused by name, and the ranks still answer as mlx-lm afterwards."""
 
+    @settings(max_examples=50, deadline=None)
+    @given(st.lists(st.sampled_from(sorted(MUTATIONS)), min_size=1, max_size=3, unique=True).flatmap(
+        lambda names: st.tuples(*(MUTATIONS[n] for n in names))))
+    def fuzz(mutations):
+        fields = {k: v for m in mutations for k, v in m.items()}
+        ring = pb_grpc.RingStub(secured.ranks[0].channel)
+        details = refused(lambda: ring.Link(iter([link_frame(secured, **fields)]), timeout=10, metadata=AUTH),
+                          grpc.StatusCode.INVALID_ARGUMENT)
+        assert details.startswith("bad frame: ")
+        assert secured.ranks[0].control.Health(pb.HealthRequest(), timeout=5, metadata=AUTH).state == "ready"
 
-def test_ranks_serve_after_the_frame_fuzzing(secured, model_dir):
+    fuzz()
     assert_still_serves(secured, model_dir("llama"), seed=3)
 
 
@@ -212,25 +215,28 @@ def _configure_requests():
     )
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.data())
-def test_malformed_control_requests_are_refused(secured, data):
+def test_malformed_control_requests_are_refused_and_the_ranks_serve_on(secured, model_dir):
+    """Every malformed Generate or Configure is refused without a traceback, and the ranks still answer
+    as mlx-lm afterwards."""
     control = secured.ranks[0].control
     vocab = secured.model.vocab_size
-    if data.draw(st.booleans(), label="generate"):
-        request = data.draw(_generate_requests(vocab))
-        details = refused(lambda: control.Generate(request, timeout=10, metadata=AUTH),
-                          grpc.StatusCode.INVALID_ARGUMENT)
-    else:
-        request = data.draw(_configure_requests())
-        details = refused(lambda: control.Configure(request, timeout=10, metadata=AUTH),
-                          grpc.StatusCode.INVALID_ARGUMENT)
-    assert details and "Traceback" not in details
-    health = control.Health(pb.HealthRequest(), timeout=5, metadata=AUTH)
-    assert (health.state, health.rank) == ("ready", 0)
 
+    @settings(max_examples=50, deadline=None)
+    @given(st.data())
+    def fuzz(data):
+        if data.draw(st.booleans(), label="generate"):
+            request = data.draw(_generate_requests(vocab))
+            details = refused(lambda: control.Generate(request, timeout=10, metadata=AUTH),
+                              grpc.StatusCode.INVALID_ARGUMENT)
+        else:
+            request = data.draw(_configure_requests())
+            details = refused(lambda: control.Configure(request, timeout=10, metadata=AUTH),
+                              grpc.StatusCode.INVALID_ARGUMENT)
+        assert details and "Traceback" not in details
+        health = control.Health(pb.HealthRequest(), timeout=5, metadata=AUTH)
+        assert (health.state, health.rank) == ("ready", 0)
 
-def test_ranks_serve_after_the_request_fuzzing(secured, model_dir):
+    fuzz()
     assert_still_serves(secured, model_dir("llama"), seed=4)
 
 
@@ -248,20 +254,20 @@ def test_a_rank_that_cannot_load_the_model_says_which_and_why(secured, model_dir
 def test_second_front_end_is_refused_while_a_generation_runs(secured, model_dir):
     path = model_dir("llama")
     ids = random_prompt(path, 9, seed=5)
-    stream = secured.generate(pb.GenerateRequest(tokens=ids, max_tokens=300))
-    first = next(e for e in stream if e.WhichOneof("event") == "token")
+    stream = secured.generate(GenerationRequest(ids, max_tokens=300))
+    first = next(e for e in stream if isinstance(e, TokenOut))
     intruder = Cluster([r.address for r in secured.ranks], token=TOKEN)
     try:
         with pytest.raises(BackendError, match=r"rank \d \(127\.0\.0\.1:\d+\).*busy with request"):
             intruder.connect()
     finally:
         intruder.close()
-    rest = [e.token.id for e in stream if e.WhichOneof("event") == "token"]
+    rest = [e.id for e in stream if isinstance(e, TokenOut)]
     _, tokenizer = reference_model(path)
     expected = reference_generate(path, ids, 60)
     if expected[-1][0] in tokenizer.eos_token_ids:
         expected = expected[:-1]  # mlx-lm reports the stop token; the raw request ran on past it
-    assert [first.token.id] + rest[: len(expected) - 1] == [t for t, _ in expected]
+    assert [first.id] + rest[: len(expected) - 1] == [t for t, _ in expected]
 
 
 # ---------------------------------------------------------------- TLS

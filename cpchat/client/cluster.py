@@ -9,20 +9,30 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
 
 from cpchat.blas import BlasInfo, BlasUnavailable
 from cpchat.client.events import RankStats, RingStep
+from cpchat.client.generation import (
+    GenerationDone,
+    GenerationEvent,
+    GenerationRequest,
+    LayerDone,
+    PrefillDone,
+    RankDone,
+    TokenOut,
+)
 from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks, rank_devices, visible_gpus
+from cpchat.core.algorithms import BY_NAME
 from cpchat.core.estimate import PrefillCost
 from cpchat.errors import BackendError, BadInput
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
+from cpchat.protocol.channel import open_channel, token_metadata
 
-TOKEN_HEADER = "x-cpchat-token"
 # How tensors travel between ranks: shared memory between ranks on one host and gRPC between hosts
 # (auto); gRPC only; shared memory only (every rank on this host); or an mx.distributed group on the
 # first backend every rank has, with shared memory or gRPC for the pairs it does not reach (mlx).
@@ -30,15 +40,7 @@ TRANSPORTS = ("auto", "grpc", "shm", "mlx")
 DATA_PLANE_TIMEOUT_S = 60.0  # forming a group waits for every rank to connect
 HEALTH_INTERVAL_S = 1.0
 HEALTH_DEADLINE_S = 2.0
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 16 << 20),
-    ("grpc.keepalive_time_ms", 1000),
-    ("grpc.keepalive_timeout_ms", 2000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.use_local_subchannel_pool", 1),  # a new Cluster does not inherit an old one's backoff
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
+MESSAGE_SIZE = [("grpc.max_receive_message_length", 16 << 20)]
 
 
 @dataclass
@@ -93,7 +95,7 @@ class RankHandle:
 
 @dataclass
 class RankResult:
-    done: pb.GenerateDone | None = None
+    done: RankDone | None = None
     error: str | None = None
 
 
@@ -107,6 +109,31 @@ class GenerationWatch:
     failure: str | None = None
     refused: bool = False  # the ranks refused the request itself (INVALID_ARGUMENT): bad input
     results: dict[int, RankResult] = field(default_factory=dict)
+
+
+# What the stream readers and the health monitor tell `generate`, besides rank 0's events.
+@dataclass(frozen=True)
+class RankPrefilled:
+    rank: int
+    ms: float
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    message: str
+
+
+@dataclass(frozen=True)
+class LinkBroke:
+    """A rank's ring link broke: the culprit may be a neighbour."""
+
+    reporter: RankHandle
+    error: grpc.RpcError
+
+
+@dataclass(frozen=True)
+class StreamEnded:
+    rank: int
 
 
 def parse_addresses(text: str) -> list[str]:
@@ -141,13 +168,10 @@ class Cluster:
         if transport not in TRANSPORTS:
             raise BadInput(f"unknown transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
         self.token, self.tls_ca, self.transport = token, tls_ca, transport
-        self.metadata = ((TOKEN_HEADER, token),) if token else ()
+        self.metadata = token_metadata(token)
         self.ranks: list[RankHandle] = []
         for i, address in enumerate(addresses):
-            if tls_ca is not None:
-                channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca), CHANNEL_OPTIONS)
-            else:
-                channel = grpc.insecure_channel(address, CHANNEL_OPTIONS)
+            channel = open_channel(address, tls_ca, MESSAGE_SIZE)
             handle = RankHandle(i, address, channel, pb_grpc.ControlStub(channel))
             handle.local = local[i] if local else None
             self.ranks.append(handle)
@@ -407,13 +431,13 @@ class Cluster:
                 failed.append((r, e))
         return failed
 
-    def generate(self, request: pb.GenerateRequest) -> Iterator[pb.GenerateEvent]:
+    def generate(self, generation: GenerationRequest) -> Iterator[GenerationEvent]:
         """Run one request on every rank; yield rank 0's events (progress, prefill,
         tokens, then done). A failing rank cancels the others and raises BackendError
         naming it and the phase; the survivors drop the request and stay usable."""
         if not self._lock.acquire(blocking=False):
             raise BackendError("a generation is already running on this cluster")
-        request.request_id = request.request_id or uuid.uuid4().hex
+        request = _request(generation)
         self._current_request = request.request_id
         watch = GenerationWatch()
         self.last_results = watch.results
@@ -428,27 +452,27 @@ class Cluster:
             remaining = len(self.ranks)
             # Rank 0 reports its prefill (and first token) as soon as *it* is done; hold them until
             # every rank is, so prefill time and decode rate describe the whole ring.
-            held: list[pb.GenerateEvent] | None = None
+            held: list[GenerationEvent] | None = None
             prefilled: dict[int, float] = {}
             while remaining:
-                kind, payload = events.get()
-                if kind == "end":
+                item = events.get()
+                if isinstance(item, StreamEnded):
                     remaining -= 1
-                elif kind == "event":
-                    if payload.WhichOneof("event") == "prefill":
-                        held = [payload]
-                    elif held is not None:
-                        held.append(payload)
-                    else:
-                        yield payload
-                elif kind == "prefilled":
-                    rank, ms = payload
-                    prefilled[rank] = ms
-                elif watch.failure is None:
-                    watch.failure = payload if kind == "failure" else self._blame(*payload, watch)
-                    self._abort_all(streams)
+                elif isinstance(item, RankPrefilled):
+                    prefilled[item.rank] = item.ms
+                elif isinstance(item, (RankFailed, LinkBroke)):
+                    if watch.failure is None:
+                        watch.failure = item.message if isinstance(item, RankFailed) else self._blame(
+                            item.reporter, item.error, watch)
+                        self._abort_all(streams)
+                elif isinstance(item, PrefillDone):
+                    held = [item]
+                elif held is not None:
+                    held.append(item)
+                else:
+                    yield item
                 if held is not None and len(prefilled) == len(self.ranks):
-                    held[0].prefill.ms = max(prefilled.values())
+                    held[0] = replace(held[0], ms=max(prefilled.values()))
                     yield from held
                     held = None
             if held is not None and watch.failure is None:  # a rank stopped short of prefill (cancel)
@@ -457,8 +481,7 @@ class Cluster:
                 f.result()
             if watch.failure:
                 raise (BadInput if watch.refused else BackendError)(watch.failure)
-            done = watch.results[0].done
-            yield pb.GenerateEvent(done=done)
+            yield GenerationDone(watch.results[0].done)
         finally:
             finished.set()
             if watch.failure is None and any(s.is_active() for s in streams):
@@ -473,9 +496,9 @@ class Cluster:
             for event in stream:
                 which = event.WhichOneof("event")
                 if which == "prefill":
-                    events.put(("prefilled", (r.rank, event.prefill.ms)))
+                    events.put(RankPrefilled(r.rank, event.prefill.ms))
                 if which == "done":
-                    result.done = event.done
+                    result.done = _rank_done(event.done)
                 elif r.rank == 0:
                     if which == "prefill":
                         watch.phase = "decode"
@@ -483,7 +506,7 @@ class Cluster:
                         watch.layer = event.progress.layer
                     elif which == "token":
                         watch.tokens += 1
-                    events.put(("event", event))
+                    events.put(_event(event))
             r.state = "ready"
         except grpc.RpcError as e:
             code = e.code()
@@ -491,15 +514,15 @@ class Cluster:
                 r.state = "failed" if r.state == "failed" else "ready"
             elif code == grpc.StatusCode.ABORTED:  # its ring link broke: the culprit may be a neighbour
                 r.state = "ready"
-                events.put(("ring", (r, e)))
+                events.put(LinkBroke(r, e))
             else:
                 watch.refused = watch.refused or code == grpc.StatusCode.INVALID_ARGUMENT
                 gone = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 r.state = "failed" if gone else "ready"
                 result.error = self._describe(r, e, self._phase(watch))
-                events.put(("failure", result.error))
+                events.put(RankFailed(result.error))
         finally:
-            events.put(("end", r.rank))
+            events.put(StreamEnded(r.rank))
 
     def _blame(self, reporter: RankHandle, error: grpc.RpcError, watch: GenerationWatch) -> str:
         """A rank reported a broken ring link: name the rank that no longer answers, if any."""
@@ -524,7 +547,7 @@ class Cluster:
             if failed and not finished.is_set():
                 r, e = failed[0]
                 r.state = "failed"
-                events.put(("failure", self._describe(r, e, self._phase(watch))))
+                events.put(RankFailed(self._describe(r, e, self._phase(watch))))
                 return
 
     def _abort_all(self, streams) -> None:
@@ -585,6 +608,29 @@ class Cluster:
                 open_streams -= 1
                 continue
             yield item
+
+
+def _request(g: GenerationRequest) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=g.request_id or uuid.uuid4().hex, keep_tokens=g.keep_tokens, tokens=g.tokens,
+        algorithm=pb.Algorithm.Value(BY_NAME[g.algorithm].wire), max_tokens=g.max_tokens,
+        sampling=pb.Sampling(temperature=g.temperature, top_p=g.top_p, seed=g.seed),
+        stop_tokens=g.stop_tokens, decode=pb.Decode.Value(BY_NAME[g.decode].wire),
+    )
+
+
+def _event(e: pb.GenerateEvent) -> GenerationEvent:
+    which = e.WhichOneof("event")
+    if which == "progress":
+        return LayerDone(e.progress.layer, e.progress.num_layers)
+    if which == "prefill":
+        return PrefillDone(e.prefill.ms, e.prefill.linear_layers, e.prefill.state_combine_ms)
+    return TokenOut(e.token.id, e.token.logprob)
+
+
+def _rank_done(d: pb.GenerateDone) -> RankDone:
+    return RankDone(d.kv_tokens, d.kv_bytes, d.rss_bytes, d.cached_tokens, d.cancelled, d.keep_floor,
+                    d.state_bytes, tuple(d.state_positions))
 
 
 def _rank_stats(r: RankHandle, s: pb.RankStats) -> RankStats:

@@ -1,8 +1,9 @@
-"""The ranks, tokenizer and session behind a chat screen, with blocking methods for its workers.
+"""What a front end stands on: the model resolved and fetched, the ranks launched or attached, the
+model loaded on them, the tokenizer, and a session with the settings. Both front ends (the TUI's
+workers, headless) use it; its methods block.
 
-No widgets here: ChatScreen's thread workers call these methods and post what came of them. Progress
-goes through `report(phase, done, total)`; phases are the work bar's ("download", "convert", "connect",
-"load").
+Progress goes through `report(phase, done, total)`: "download" (bytes), "convert" (tensors),
+"connect" (ranks), "load" (ranks).
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from cpchat.errors import BackendError, BadInput
 Report = Callable[[str, int, int], None]
 
 
-class Backend:
+class Frontend:
     """`cluster`/`model_path` inject a running, loaded cluster (tests); otherwise `start` launches
-    or attaches one from `options`. Only the screen's backend workers call the blocking methods."""
+    or attaches one from `options`. `say` takes the lines a GGUF conversion writes (what it
+    requantized); without it they are kept for `take_notes`."""
 
     def __init__(self, settings: Settings, options: ClusterOptions, cluster: Cluster | None = None,
-                 model_path: str | None = None) -> None:
+                 model_path: str | None = None, say: Callable[[str], None] | None = None) -> None:
         self.settings, self.options = settings, options
         self.cluster, self.model_path = cluster, model_path
         self.own_cluster = False  # launched here: closed with the app
@@ -34,6 +36,7 @@ class Backend:
         self.session: Session | None = None
         self.closing = threading.Event()
         self.notes: list[str] = []  # lines for the user from the work (what a GGUF conversion did)
+        self.say = say or self.notes.append
 
     def start(self, report: Report) -> str:
         """Launch or attach the ranks and load the model and its tokenizer; returns the built-in
@@ -91,14 +94,15 @@ class Backend:
         notes, self.notes = self.notes, []
         return notes
 
-    def session_for(self, messages: list[Message]) -> Session:
+    def session_for(self, messages: list[Message], raw: bool = False) -> Session:
         """The session on the current ranks: a new one, with `messages`, for a new tokenizer (a new or
-        switched model), otherwise the same one."""
+        switched model), otherwise the same one. `raw`: turns are not wrapped in the chat template."""
         assert self.cluster is not None and self.tokenizer is not None
         if self.session is None or self.session.tokenizer is not self.tokenizer:
             s = self.settings
             sampling = SamplingOptions(s.max_tokens, s.temp, s.top_p, s.seed)
-            self.session = Session(self.cluster, self.tokenizer, algorithm=s.algorithm, sampling=sampling)
+            self.session = Session(self.cluster, self.tokenizer, raw=raw, algorithm=s.algorithm,
+                                   sampling=sampling)
             self.session.messages = list(messages)
         return self.session
 
@@ -112,12 +116,8 @@ class Backend:
 
     def _fetch(self, model_path: str, report: Report) -> str | None:
         """A hub model's files (or a GGUF's conversion) for the front end: the whole model when the
-        ranks are ours. The converter's lines (what it requantized) go to `notes`."""
-        def progress(phase: str, done: int, total: int) -> None:
-            report(phase, *((done >> 20, total >> 20) if phase == "download" else (done, total)))
-
-        return front_end_copy(model_path, whole_model=not self.options.attached, report=progress,
-                              say=self.notes.append)
+        ranks are ours."""
+        return front_end_copy(model_path, whole_model=not self.options.attached, report=report, say=self.say)
 
     def _load(self, model_path: str, report: Report) -> None:
         assert self.cluster is not None

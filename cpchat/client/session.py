@@ -21,10 +21,9 @@ from cpchat.client.events import (
     RankUsage,
     Token,
 )
-from cpchat.core.algorithms import BY_NAME
+from cpchat.client.generation import GenerationDone, GenerationRequest, LayerDone, PrefillDone, TokenOut
 from cpchat.core.heuristics import Measured, Workload, choose_algorithm, choose_decode
 from cpchat.errors import BadInput
-from cpchat.protocol import cpchat_pb2 as pb
 
 Event = Prefill | Progress | Token | Done
 
@@ -260,14 +259,12 @@ class Session:
         choice = self.choose_algorithm(len(new), keep)
         self.last_choice = choice
         seed = self.sampling.seed if self.sampling.seed is not None else random.getrandbits(32)
-        request = pb.GenerateRequest(
-            keep_tokens=keep,
-            tokens=new,
-            algorithm=pb.Algorithm.Value(BY_NAME[choice.algorithm].wire),
+        request = GenerationRequest(
+            tokens=new, keep_tokens=keep,
             max_tokens=self.sampling.max_tokens if max_tokens is None else max_tokens,
-            sampling=pb.Sampling(temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed),
+            algorithm=choice.algorithm, decode=self.decode_exchange(len(full)),
+            temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed,
             stop_tokens=sorted(self.tokenizer.eos_token_ids),
-            decode=pb.Decode.Value(BY_NAME[self.decode_exchange(len(full))].wire),
         )
         self._cancel.clear()
         turn = self.turn_index
@@ -284,27 +281,25 @@ class Session:
             if self._cancel.is_set() and not cancel_sent:  # Esc may come before the ranks had the request
                 self.cluster.cancel()
                 cancel_sent = True
-            which = event.WhichOneof("event")
-            if which == "progress":
-                layer, layers = event.progress.layer, event.progress.num_layers
+            if isinstance(event, LayerDone):
+                layer, layers = event.layer, event.num_layers
                 now = time.perf_counter()
                 if now - t_progress >= PROGRESS_INTERVAL_S or layer == layers:
                     t_progress = now
                     yield Progress(turn, len(full), keep, len(new) * layer // layers,
                                    round(1000 * (now - t_start), 1))
-            elif which == "prefill":
-                yield Prefill(turn, len(new), keep, choice.algorithm, round(event.prefill.ms, 1),
-                              choice.reason, choice.estimates_ms, event.prefill.linear_layers,
-                              round(event.prefill.state_combine_ms, 1))
-            elif which == "token":
+            elif isinstance(event, PrefillDone):
+                yield Prefill(turn, len(new), keep, choice.algorithm, round(event.ms, 1), choice.reason,
+                              choice.estimates_ms, event.linear_layers, round(event.state_combine_ms, 1))
+            elif isinstance(event, TokenOut):
                 t_last = time.perf_counter()
                 t_first = t_first or t_last
-                generated.append(event.token.id)
-                detok.add_token(event.token.id)
+                generated.append(event.id)
+                detok.add_token(event.id)
                 segment = detok.last_segment
                 shown.append(segment)
-                yield Token(turn, event.token.id, segment, event.token.logprob)
-            elif which == "done":
+                yield Token(turn, event.id, segment, event.logprob)
+            elif isinstance(event, GenerationDone):
                 done = event.done
         self.held = (full + generated)[: done.cached_tokens]
         self.keep_floor = done.keep_floor

@@ -25,7 +25,7 @@ from cpchat.checkpoints.ollama import is_ollama
 from cpchat.checkpoints.resolve import is_checkpoint, local_gguf
 from cpchat.client.hub import is_hub_id
 from cpchat.core.algorithms import ALGORITHMS
-from cpchat.dirs import cache_dir, config_dir
+from cpchat.dirs import cache_dir, config_dir, data_dir
 from cpchat.errors import BadInput
 
 REPO_ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -175,3 +175,17 @@ def checkpoint_spec(model: str) -> tuple[str, str]:
     if is_ollama(model):
         return model, f"Ollama model {model.removeprefix('ollama:')}"
     return str(path.resolve()), str(path)
+
+
+def format_config(settings: Settings) -> str:
+    """Every setting, its value, and where the value came from (`cpchat --print-config`)."""
+    names = [f.name for f in fields(Settings) if f.name != "sources"]
+    width = max(len(n) for n in names)
+    lines = [f"# config file: {config_dir() / 'config.toml'}", f"# transcripts: {data_dir() / 'transcripts'}"]
+    for name in names:
+        value = getattr(settings, name)
+        shown = repr(value) if isinstance(value, str) else ("none" if value is None else str(value))
+        if name == "model" and not value:
+            shown = "'' (the built-in demo model)"
+        lines.append(f"{name:<{width}} = {shown:<32} # {settings.sources.get(name, 'default')}")
+    return "\n".join(lines)
