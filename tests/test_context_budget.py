@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cpchat.client.session import ContextOverflow, SamplingOptions, Session, load_tokenizer
-from cpchat.core.estimate import PrefillCost, human_duration, line_through
+from cpchat.core.estimate import PrefillCost, line_through
+from cpchat.format import human_duration
 from cpchat.rank.fit import usable_context
 from cpchat.smallmodels import write_model
 

@@ -23,10 +23,12 @@ from cpchat.client.cluster import Cluster
 from cpchat.client.settings import Settings
 from cpchat.client.transcripts import TranscriptStore
 from cpchat.smallmodels import write_model
+from cpchat.tui import chat
 from cpchat.tui.app import CpchatApp
 from cpchat.tui.chat import ChatScreen
 from cpchat.tui.screens import AttachmentsScreen, ContextBudget, ConversationsScreen, HelpScreen, ModelPrompt
 from cpchat.tui.widgets import (
+    AttachmentBar,
     AttachmentChip,
     BigText,
     ChatInput,
@@ -116,7 +118,7 @@ class WatchedChat(ChatScreen):
 
     def on_tokens_arrived(self, message) -> None:
         self.seen = getattr(self, "seen", [])
-        self.seen.append(len(self._answer_text))
+        self.seen.append(len(self.answer.text))
 
 
 class WatchedApp(CpchatApp):
@@ -324,7 +326,7 @@ async def test_dropped_pdf_and_folder_attach_with_format_pages_and_files(make_ap
         assert '<document name="notes/sub/b.txt">\nOrion.\n</document>' in user.content
 
 
-class SlowReadChat(ChatScreen):
+class SlowReadBar(AttachmentBar):
     """Holds the reading of a document after its first page until the reading is cancelled, so the
     test presses Esc while a read is certainly under way."""
 
@@ -337,25 +339,23 @@ class SlowReadChat(ChatScreen):
             report(done, total)
             if done == 1:
                 self.app.call_from_thread(setattr, self, "reading_paused", True)
-                self._reading.wait(30)
+                self.reading.wait(30)
 
         return hold
 
 
-class SlowReadApp(CpchatApp):
-    CHAT_SCREEN = SlowReadChat
-
-
-async def test_escape_stops_the_reading_of_a_large_document(make_app, tmp_path):
+async def test_escape_stops_the_reading_of_a_large_document(make_app, tmp_path, monkeypatch):
     pdf = write_pdf(tmp_path / "big.pdf", [f"Page {i}." for i in range(20)])
-    app = make_app(cls=SlowReadApp)
+    monkeypatch.setattr(chat, "AttachmentBar", SlowReadBar)  # the bar the chat screen composes
+    app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
+        bar = app.query_one(SlowReadBar)
         await paste(pilot, str(pdf))
-        await until(pilot, lambda: app.chat.reading_paused, what="the reading to start")
+        await until(pilot, lambda: bar.reading_paused, what="the reading to start")
         assert app.query_one(WorkBar).display
         await pilot.press("escape")
-        await until(pilot, lambda: app.chat._reading is None, what="the reading to stop")
+        await until(pilot, lambda: bar.reading is None, what="the reading to stop")
         await pilot.pause()
         assert not chips(app) and not app.query_one(WorkBar).display
         assert any("Stopped reading big.pdf" in n.message for n in app._notifications)
@@ -427,7 +427,8 @@ async def test_escape_stops_the_answer_and_keeps_it(make_app):
         await ready(pilot)
         app.query_one(ChatInput).load_text("Tell me everything.")
         await pilot.press("enter")
-        await until(pilot, lambda: app.chat._tokens >= 3, what="the first tokens")
+        await until(pilot, lambda: app.chat.answer is not None and app.chat.answer.tokens >= 3,
+                    what="the first tokens")
         await pilot.press("escape")
         await until(pilot, lambda: not app.chat.busy, timeout=20, what="the stop")
         answer = assistant_messages(app)[-1]

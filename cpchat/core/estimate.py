@@ -33,10 +33,3 @@ def line_through(x0: float, y0: float, x1: float, y1: float) -> tuple[float, flo
     slope = max((y1 - y0) / (x1 - x0), 0.0)
     return max(y0 - slope * x0, 0.0), slope
 
-
-def human_duration(seconds: float) -> str:
-    """A rough duration for people: '40 s', '3 min', '1 h 20 min'."""
-    if seconds < 60:
-        return f"{max(seconds, 1):.0f} s"
-    minutes = round(seconds / 60)
-    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"

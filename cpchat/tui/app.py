@@ -22,6 +22,7 @@ from cpchat.client.settings import Settings, resolve_model, resolve_settings
 from cpchat.dirs import data_dir
 from cpchat.errors import BadInput
 from cpchat.tui.chat import ChatScreen
+from cpchat.tui.commands import palette
 from cpchat.tui.screens import HelpScreen
 
 
@@ -67,7 +68,7 @@ class CpchatApp(App[int]):
 
     def get_system_commands(self, screen: Screen):
         yield from super().get_system_commands(screen)
-        yield from self.chat.system_commands()
+        yield from palette(self.chat)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

@@ -4,7 +4,11 @@ Ctrl+R until a rank fails, does not hide the command)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+from textual.app import SystemCommand
+from textual.screen import Screen
 
 from cpchat.core.algorithms import ALGORITHMS
 
@@ -41,3 +45,33 @@ def parse_slash(text: str) -> tuple[Command, str] | None:
     name, _, argument = text.removeprefix("/").partition(" ")
     command = BY_NAME.get(name)
     return (command, argument.strip()) if command is not None and text.startswith("/") else None
+
+
+def run_command(screen: Screen, command: Command, argument: str = "") -> None:
+    """Call the command's action on the chat screen (or the app), with the argument if it takes one."""
+    owner, _, name = command.action.rpartition(".")
+    action = getattr(screen.app if owner == "app" else screen, f"action_{name}")
+    if argument and command.argument:
+        action(argument)
+    else:
+        action()
+
+
+def run_slash(screen: Screen, text: str) -> bool:
+    """Run `/name [argument]`; False when it names no command (then it is a prompt)."""
+    parsed = parse_slash(text)
+    if parsed is not None:
+        run_command(screen, *parsed)
+    return parsed is not None
+
+
+def palette(screen: Screen) -> Iterator[SystemCommand]:
+    """The palette's entries (the app adds Textual's own). The palette takes no argument, so the
+    algorithm has one entry per choice."""
+    for command in COMMANDS:
+        if command.name == "algorithm":
+            for algorithm in ALGORITHMS:
+                yield SystemCommand(f"Algorithm: {algorithm}", f"Use {algorithm} for the ring from the "
+                                    "next turn", lambda c=command, a=algorithm: run_command(screen, c, a))
+        else:
+            yield SystemCommand(command.title, command.help, lambda c=command: run_command(screen, c))

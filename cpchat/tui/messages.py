@@ -1,7 +1,7 @@
-"""Messages that carry backend news from worker threads up to the app.
+"""Messages that carry backend news from worker threads up to the chat screen.
 
 Workers never touch widgets: they post these (post_message is thread-safe),
-and the app turns them into reactive updates on the event loop. Tests and
+and the screen turns them into reactive updates on the event loop. Tests and
 snapshots post the same messages to freeze a state without timing.
 """
 

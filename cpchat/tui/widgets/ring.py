@@ -2,40 +2,18 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalGroup
 from textual.reactive import reactive
-from textual.widget import Widget
 from textual.widgets import Static
 
-from cpchat.client.events import AlgorithmChoice, RingStep
+from cpchat.client.events import AlgorithmChoice, RankStats, RingStep
 from cpchat.core.algorithms import title
 from cpchat.tui.format import human_bytes
+from cpchat.tui.widgets.big_text import BigText
+from cpchat.tui.widgets.ring_chart import RingChart
 
-# A three-row block font for the few letters the algorithm names need.
-GLYPHS = {
-    "P": ("┏━┓", "┣━┛", "╹  "),
-    "A": ("┏━┓", "┣━┫", "╹ ╹"),
-    "S": ("┏━╸", "┗━┓", "╺━┛"),
-    "K": ("╻┏╸", "┣┻┓", "╹ ╹"),
-    "V": ("╻  ╻", "┗┓┏┛", " ┗┛ "),
-    "Q": ("┏━┓", "┃ ┃", "┗━╋"),
-    "U": ("╻ ╻", "┃ ┃", "┗━┛"),
-    "T": ("╺┳╸", " ┃ ", " ╹ "),
-    "O": ("┏━┓", "┃ ┃", "┗━┛"),
-    "L": ("╻  ", "┃  ", "┗━╸"),
-    "G": ("┏━╸", "┃╺┓", "┗━┛"),
-    "H": ("╻ ╻", "┣━┫", "╹ ╹"),
-    "E": ("┏━╸", "┣╸ ", "┗━╸"),
-    "R": ("┏━┓", "┣┳┛", "╹┗╸"),
-    "Y": ("╻ ╻", "┗┳┛", " ╹ "),
-    "-": ("   ", "╺━╸", "   "),
-    " ": ("   ", "   ", "   "),
-}
-CHART_WIDTH = 16
 # The algorithm in words, for screen readers, copies and logs of the screen (the letters are glyphs).
 ALGORITHM_WORDS = {
     "pass_kv": "keys and values travel the ring",
@@ -46,58 +24,9 @@ ALGORITHM_WORDS = {
 }
 
 
-class BigText(Widget):
-    """A word in three-row block letters (unknown letters become blanks)."""
-
-    text: reactive[str] = reactive("")
-
-    def render(self) -> Text:
-        word = self.text.upper().replace("_", "-")
-        rows = [" ".join(GLYPHS.get(ch, GLYPHS[" "])[i] for ch in word) for i in range(3)]
-        return Text("\n".join(rows), style="bold")
-
-
-def step_totals(steps: list[RingStep]) -> list[tuple[int, float, float, int]]:
-    """(step, compute ms, wait ms, bytes) summed over layers and ranks, by step."""
-    totals: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
-    for s in steps:
-        t = totals[s.step]
-        t[0] += s.compute_ms
-        t[1] += s.wait_ms
-        t[2] += s.bytes_sent
-    return [(step, t[0], t[1], int(t[2])) for step, t in sorted(totals.items())]
-
-
-class RingChart(Widget):
-    """Per-step stacked bars: compute (green) then waiting on the neighbour (yellow)."""
-
-    steps: reactive[list[RingStep]] = reactive(list, always_update=True, layout=True)
-    pass_name: reactive[str] = reactive("")
-
-    def render(self) -> Text:
-        totals = step_totals(self.steps)
-        if not totals:
-            return Text("no ring pass yet", style="dim")
-        longest = max(c + w for _, c, w, _ in totals) or 1.0
-        text = Text(f"last pass: {self.pass_name or '—'}  ", style="bold")
-        text.append("█ compute ", "green")
-        text.append("█ wait\n", "yellow")
-        for step, compute, wait, _ in totals:
-            c_cells = round(compute / longest * CHART_WIDTH)
-            w_cells = round(wait / longest * CHART_WIDTH)
-            text.append(f"step {step} ")
-            text.append("█" * c_cells, "green")
-            text.append("█" * w_cells, "yellow")
-            text.append(" " * (CHART_WIDTH - c_cells - w_cells))
-            text.append(f" {compute:.1f}/{wait:.1f} ms\n")
-        moved = sum(b for *_, b in totals)
-        text.append(f"moved {human_bytes(moved)} over the ring", "dim")
-        return text
-
-
 class RingPanel(VerticalGroup):
     """`mode` is the session's setting; `choice` the last prefill's decision; `transport` how tensors
-    travel between the ranks; `steps` the last pass."""
+    travel between the ranks; the chart shows the last pass, as the ranks' stats report it."""
 
     mode: reactive[str] = reactive("auto")
     transport: reactive[str] = reactive("")
@@ -108,6 +37,7 @@ class RingPanel(VerticalGroup):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.border_title = "Ring"
+        self._rank_steps: dict[int, list[RingStep]] = {}  # each rank's part of the last pass
 
     def compose(self) -> ComposeResult:
         yield BigText(id="ring-algorithm")
@@ -129,6 +59,11 @@ class RingPanel(VerticalGroup):
 
     def watch_linear(self) -> None:
         self._refresh_text()
+
+    def show_stats(self, stats: RankStats) -> None:
+        """A rank's share of the last ring pass: the chart shows every rank's latest share."""
+        self._rank_steps[stats.rank] = stats.ring_steps
+        self.show_pass(stats.algorithm, [s for steps in self._rank_steps.values() for s in steps])
 
     def show_pass(self, pass_name: str, steps: list[RingStep]) -> None:
         charts = self.query(RingChart)

@@ -1,20 +1,19 @@
-"""The conversation: one Markdown widget per message, kept scrolled to the end."""
+"""The conversation on screen: one ChatMessage per message, kept scrolled to the end."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from textual.containers import VerticalScroll
-from textual.widgets import Markdown
+
+from cpchat.client.transcripts import Entry
+from cpchat.tui.widgets.answer import Answer
+from cpchat.tui.widgets.chat_message import ChatMessage
 
 
-class ChatMessage(Markdown):
-    """A user or assistant message; `role` picks the style (see app.tcss)."""
-
-    def __init__(self, role: str, markdown: str = "", docs: list[str] | None = None) -> None:
-        super().__init__(markdown, classes=role)
-        self.role = role
-        self.border_title = {"user": "You", "assistant": "Assistant"}.get(role, role.title())
-        if docs:
-            self.border_subtitle = "attached: " + ", ".join(docs)
+def shown(entry: Entry) -> ChatMessage:
+    """A saved or sent message as the transcript shows it."""
+    return ChatMessage(entry.role, entry.text or "*(documents only)*", entry.docs)
 
 
 class Transcript(VerticalScroll):
@@ -24,3 +23,15 @@ class Transcript(VerticalScroll):
 
     def on_mount(self) -> None:
         self.anchor()
+
+    async def show_turn(self, entry: Entry) -> Answer:
+        """The user's message, and an empty answer that tokens will stream into."""
+        answer = Answer()
+        await self.mount_all([shown(entry), answer])
+        answer.start()
+        return answer
+
+    async def show(self, entries: Iterable[Entry]) -> None:
+        """These messages in place of those shown (a saved conversation opened)."""
+        await self.remove_children()
+        await self.mount_all(shown(e) for e in entries)

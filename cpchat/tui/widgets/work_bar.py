@@ -8,7 +8,10 @@ from textual.app import ComposeResult
 from textual.containers import HorizontalGroup
 from textual.widgets import Label, ProgressBar
 
-from cpchat.core.estimate import human_duration
+from cpchat.format import human_duration
+
+LABELS = {"download": "Downloading model, MiB", "convert": "Converting GGUF, tensors",
+          "connect": "Starting ranks", "load": "Loading model on ranks", "prefill": "Prefill, tokens"}
 
 
 class WorkBar(HorizontalGroup):
@@ -27,6 +30,15 @@ class WorkBar(HorizontalGroup):
 
     def on_mount(self) -> None:
         self.set_interval(1.0, self._tick)
+
+    def progress(self, phase: str, done: int, total: int, label: str = "",
+                 expected_s: float | None = None) -> None:
+        """Work under way, labelled by its phase unless `label` names it; work that is over (nothing
+        left to do, or no total) hides the bar, except a prefill's, which its result hides."""
+        if total <= 0 or (phase != "prefill" and done >= total):
+            self.hide()
+        else:
+            self.show(phase, label or LABELS.get(phase, phase), done, total, expected_s=expected_s)
 
     def show(self, phase: str, label: str, done: int, total: int, expected_s: float | None = None) -> None:
         if phase != self._phase:

@@ -1,4 +1,4 @@
-"""Attachment chips above the prompt: name, format, pages or files, token count, and a button to remove."""
+"""One attached document above the prompt: name, format, pages or files, token count, and × to remove."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 from textual import events
 from textual.app import ComposeResult
-from textual.containers import Horizontal, HorizontalGroup
+from textual.containers import HorizontalGroup
 from textual.message import Message
 from textual.reactive import reactive
 from textual.widgets import Button, Label
@@ -60,25 +60,3 @@ class AttachmentChip(HorizontalGroup):
     def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()
         self.post_message(self.Remove(self))
-
-
-class AttachmentBar(Horizontal):
-    """The chips of the documents that go into the next user turn."""
-
-    def chips(self) -> list[AttachmentChip]:
-        return list(self.query(AttachmentChip))
-
-    def has(self, path: Path) -> bool:
-        return any(c.path == path for c in self.chips())
-
-    async def add(self, chip: AttachmentChip) -> None:
-        await self.mount(chip)
-        self.set_class(True, "-has-chips")
-
-    async def clear(self) -> None:
-        await self.remove_children()
-        self.set_class(False, "-has-chips")
-
-    async def remove_chip(self, chip: AttachmentChip) -> None:
-        await chip.remove()
-        self.set_class(bool(self.chips()), "-has-chips")

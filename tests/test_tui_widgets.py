@@ -1,0 +1,54 @@
+"""Widgets that own their arithmetic, each mounted alone in a host app: no ranks, no chat screen."""
+
+from __future__ import annotations
+
+import pytest
+from textual.app import App, ComposeResult
+
+from cpchat.client.events import Done, Prefill, RankUsage
+from cpchat.tui.widgets import Answer, ThroughputPanel
+from cpchat.tui.widgets.answer import Pace
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def test_the_throughput_panel_computes_its_rates_from_what_it_is_handed():
+    class Host(App):
+        def compose(self) -> ComposeResult:
+            yield ThroughputPanel()
+
+    async with Host().run_test() as pilot:
+        panel = pilot.app.query_one(ThroughputPanel)
+        panel.prefill = Prefill(0, 2000, 0, "pass_kv", 500.0)
+        assert panel.prefill_tps == 4000
+        panel.pace = Pace(first_token_s=0.25, tokens=1, decoding_s=0.0)
+        assert panel.ttft_ms == 250 and panel.decode_tps is None  # one token: no rate yet
+        panel.pace = Pace(first_token_s=0.25, tokens=11, decoding_s=2.0)
+        assert panel.decode_tps == 5.0
+        ranks = [RankUsage(0, 1000, 1 << 20, 0), RankUsage(1, 1011, 1 << 20, 0)]
+        panel.done = Done(0, 2000, 11, 240.0, 0.0, ranks)  # the client's figures win, where it has them
+        assert panel.ttft_ms == 240 and panel.decode_tps == 5.0 and panel.context_used == 2011
+        panel.clear()
+        assert (panel.ttft_ms, panel.prefill_tps, panel.decode_tps) == (None, None, None)
+
+
+async def test_an_answer_keeps_its_text_and_its_pace_and_says_how_it_ended():
+    class Host(App):
+        def compose(self) -> ComposeResult:
+            yield Answer()
+
+    async with Host().run_test() as pilot:
+        answer = pilot.app.query_one(Answer)
+        answer.start()
+        await answer.write("The code ", 2)
+        await answer.write("is 4812-KX.", 3)
+        assert answer.text == "The code is 4812-KX." and answer.pace.tokens == 5
+        assert answer.pace.first_token_s >= 0 and answer.pace.decoding_s >= 0
+        await answer.finish(cancelled=True, failed=False)
+        assert answer.source == "The code is 4812-KX." and answer.border_subtitle == "stopped"
+        assert not answer.has_class("-streaming")
