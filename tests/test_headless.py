@@ -198,6 +198,16 @@ def test_version_comes_from_one_place():
     assert 'dynamic = ["version"]' in pyproject and 'attr = "cpchat.__version__"' in pyproject
 
 
+def test_the_wheel_lists_every_package():
+    """A package missing from pyproject's list is missing from the wheel (the TUI's screens once were)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "cpchat").rglob("__init__.py")}
+    assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
+
+
 def test_the_demo_model_is_described_by_its_model_card():
     from cpchat.client.settings import demo_model
 
