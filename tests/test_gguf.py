@@ -265,6 +265,9 @@ def test_a_bad_file_exits_2_with_one_line(good_gguf, tmp_path, make, words):
     bad = tmp_path / "model.gguf"
     make(good_gguf, bad)
     one_line_error(run(["--headless", "--model", str(bad), "--prompt", "hi"], timeout=60), 2, words)
+    for mode in ([], ["--algorithms", "pass_kv"]):  # the bench too, in both its modes
+        out = str(tmp_path / "bench")
+        one_line_error(run(["bench", *mode, "--model", str(bad), "--out", out], timeout=60), 2, words)
 
 
 def test_conversion_is_cached_keyed_and_made_once(good_gguf, tmp_path):

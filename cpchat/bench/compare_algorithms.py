@@ -22,7 +22,8 @@ import mlx.core as mx
 
 from cpchat.bench.baseline import prompt_ids
 from cpchat.bench.charts import write_ratio_chart
-from cpchat.bench.models import in_form, random_model
+from cpchat.bench.models import in_form, random_model, source_model
+from cpchat.checkpoints import CheckpointError
 from cpchat.client.cluster import Cluster
 from cpchat.client.events import AlgorithmChoice, Done, Prefill
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
@@ -195,7 +196,11 @@ def model_variants(args) -> list[Path]:
     if args.model:
         if args.kv_heads:
             raise BenchUsageError("--kv-heads builds random models: leave out --model")
-        return [in_form(Path(args.model), args.form)]
+        try:  # a directory, or a GGUF file, ollama:NAME or smollm2 converted to one
+            return [in_form(source_model(args.model, args.hidden, args.layers, args.heads, None, "llama"),
+                            args.form)]
+        except CheckpointError as e:
+            raise BenchUsageError(str(e)) from None
     try:
         kv_list = [int(k) for k in args.kv_heads.split(",") if k] if args.kv_heads else [None]
         models = [random_model(args.hidden, args.layers, args.heads, kv) for kv in kv_list]
