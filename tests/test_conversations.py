@@ -389,3 +389,11 @@ def test_a_reader_that_goes_away_ends_the_listing_quietly(data_home):
                           text=True, timeout=120, env=env)
     os.close(write)
     assert done.returncode == 0 and done.stderr == ""
+
+
+def test_a_transcript_that_cannot_be_read_is_an_error_not_an_empty_conversation(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        TranscriptStore.load(tmp_path / "gone.jsonl")
+    (tmp_path / "folder.jsonl").mkdir()
+    with pytest.raises(IsADirectoryError):
+        TranscriptStore.load(tmp_path / "folder.jsonl")

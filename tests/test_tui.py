@@ -526,6 +526,12 @@ async def test_conversation_list_opens_renames_and_deletes(make_app, tmp_path):
         await pilot.press("d")  # the second is not open now
         await pilot.pause()
         assert not second.exists() and [s.path for s in app.screen.summaries] == [first]
+        await pilot.press("escape")
+        shown = list(app.chat.entries)
+        app.chat.open_conversation(second)  # deleted meanwhile: said, and the open one stays
+        await until(pilot, lambda: any("cannot open" in n.message for n in app._notifications),
+                    what="the error")
+        assert app.chat.entries == shown and app.chat.store.path == first
 
 
 async def test_model_switch_reloads_every_rank_and_keeps_the_conversation(make_app, clusters, model_dir):

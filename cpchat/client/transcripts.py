@@ -126,11 +126,9 @@ class TranscriptStore:
 
     @staticmethod
     def load(path: Path) -> list[Entry]:
-        try:
-            raw = path.read_bytes()
-        except OSError:
-            return []
-        return scan_records(read_records(raw)).entries
+        """The conversation saved in `path`; OSError when it cannot be read (gone, unreadable), so that
+        the user is told, rather than shown an empty conversation."""
+        return scan_records(read_records(path.read_bytes())).entries
 
 
 def transcript_times(directory: Path) -> dict[Path, float]:
