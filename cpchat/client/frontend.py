@@ -39,8 +39,8 @@ class Frontend:
         self.say = say or self.notes.append
 
     def start(self, report: Report) -> str:
-        """Launch or attach the ranks and load the model and its tokenizer; returns the built-in
-        model's description when no model was chosen ("" otherwise)."""
+        """Launch or attach the ranks and load the model and its tokenizer; returns the model's
+        description ("" for an injected cluster)."""
         description = ""
         if self.cluster is None:
             self.model_path, description = resolve_model(self.settings.model)
@@ -91,7 +91,9 @@ class Frontend:
         self.model_path, self.tokenizer_dir, self.tokenizer = model_path, tokenizer_dir, tokenizer
 
     def take_notes(self) -> list[str]:
-        notes, self.notes = self.notes, []
+        """The lines kept since the last call. Emptied in place: `say` appends to this same list."""
+        notes = list(self.notes)
+        self.notes.clear()
         return notes
 
     def session_for(self, messages: list[Message], raw: bool = False) -> Session:
