@@ -30,7 +30,7 @@ class Frontend:
                  model_path: str | None = None, say: Callable[[str], None] | None = None) -> None:
         self.settings, self.options = settings, options
         self.cluster, self.model_path = cluster, model_path
-        self.own_cluster = False  # launched here: closed with the app
+        self.own_cluster = False  # formed here, not injected: closed with us (attached ranks run on)
         self.tokenizer_dir: str | None = None  # where the front end reads a hub model's tokenizer
         self.tokenizer = None
         self.session: Session | None = None
@@ -47,7 +47,7 @@ class Frontend:
             self.tokenizer_dir = self._fetch(self.model_path, report)
             report("connect", 0, self.settings.ranks)
             cluster = connect_cluster(self.options, self.settings.ranks, self.settings.blas)
-            self.cluster, self.own_cluster = cluster, cluster.is_local
+            self.cluster, self.own_cluster = cluster, True
             if self.closing.is_set():
                 return description
         assert self.model_path is not None
