@@ -62,6 +62,7 @@ def app_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the saved conversations, newest first, and exit")
     p.add_argument("--print-config", action="store_true", help="show the settings and where each came from")
     p.add_argument("--list-architectures", action="store_true", help="which model families work, and why not")
+    add_cache_flags(p)
     return p
 
 
@@ -77,11 +78,73 @@ def rank_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", type=int, help="pin this rank to one CPU core")
     p.add_argument("--blas", choices=blas.CHOICES, default="auto",
                    help="the BLAS for CPU products (Linux): auto takes the fastest installed (default)")
+    add_cache_flags(p)
     return p
+
+
+def add_cache_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help="where ranks keep saved prefixes (default: <user cache dir>/cpchat/prefix)")
+    p.add_argument("--cache-max-gb", type=float, default=None, metavar="G",
+                   help="bound on each rank's saved prefixes, least recently used go first (default 16)")
+    p.add_argument("--no-cache", action="store_true", default=None,
+                   help="neither save nor reuse prefixes on disk")
 
 
 class UsageError(Exception):
     pass
+
+
+DEFAULT_CACHE_GB = 16.0
+
+
+def prefix_store(directory: str | None, max_gb: float | None):
+    """The rank's prefix cache: flags, else $CPCHAT_CACHE_DIR / $CPCHAT_CACHE_MAX_GB, else the defaults."""
+    from pathlib import Path
+
+    from cpchat.dirs import prefix_dir
+    from cpchat.rank.prefix_cache import PrefixStore
+
+    if max_gb is None:
+        try:
+            max_gb = float(os.environ.get("CPCHAT_CACHE_MAX_GB") or DEFAULT_CACHE_GB)
+        except ValueError:
+            value = os.environ["CPCHAT_CACHE_MAX_GB"]
+            raise UsageError(f"CPCHAT_CACHE_MAX_GB={value!r} is not a number") from None
+    if max_gb < 0:
+        raise UsageError("--cache-max-gb cannot be negative")
+    return PrefixStore(Path(directory).expanduser() if directory else prefix_dir(), int(max_gb * 2**30))
+
+
+def run_cache(argv: list[str]) -> int:
+    """`cpchat cache list|clear`: the prefixes the ranks on this machine saved."""
+    import time
+
+    from cpchat.format import human_bytes
+
+    p = argparse.ArgumentParser(prog="cpchat cache", description="The prefixes local ranks saved on disk.")
+    p.add_argument("action", choices=("list", "clear"))
+    p.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help="(default: <user cache dir>/cpchat/prefix)")
+    args = p.parse_args(argv)
+    store = prefix_store(args.cache_dir, None)
+    if args.action == "clear":
+        freed = store.clear()
+        print(f"removed the saved prefixes in {store.root} ({human_bytes(freed)})")
+        return EXIT_OK
+    entries = sorted(store.entries(), key=lambda e: e.path.stat().st_mtime, reverse=True)
+    if not entries:
+        print(f"no saved prefixes in {store.root}")
+        return EXIT_OK
+    print(f"{'prefix':<12}  {'rank':>6}  {'tokens':>9}  {'size':>9}  {'last used':<16}  model")
+    for e in entries:
+        h = e.header
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.path.stat().st_mtime))
+        print(f"{h['prefix_id'][:12]:<12}  {h['shard']:>2} of {h['num_ranks']:<2} {h['tokens']:>9,}  "
+              f"{human_bytes(e.size):>9}  {used:<16}  {h['model']}")
+    total = sum(e.size for e in entries)
+    print(f"{len(entries)} files, {human_bytes(total)}, in {store.root}")
+    return EXIT_OK
 
 
 def is_loopback(host: str) -> bool:
@@ -119,6 +182,7 @@ def run_rank(argv: list[str]) -> int:
             tls_key=read_bytes(args.tls_key, "TLS key"),
             tls_ca=read_bytes(args.tls_ca, "CA certificate"),
             parent_pid=args.parent_pid,
+            cache=None if args.no_cache else prefix_store(args.cache_dir, args.cache_max_gb),
         )
     except (UsageError, BadInput, blas.BlasUnavailable) as e:
         print(f"cpchat rank: {e}", file=sys.stderr)
@@ -151,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["rank"]:
         return run_rank(argv[1:])
+    if argv[:1] == ["cache"]:
+        try:
+            return run_cache(argv[1:])
+        except UsageError as e:
+            print(f"cpchat cache: {e}", file=sys.stderr)
+            return EXIT_USAGE
     if argv[:1] == ["bench"]:
         from cpchat.bench import main as bench_main
 

@@ -20,3 +20,8 @@ def data_dir() -> Path:
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "cpchat"
+
+
+def prefix_dir() -> Path:
+    """Where ranks on this machine save prefixes: $CPCHAT_CACHE_DIR, or under the cache dir."""
+    return Path(os.environ.get("CPCHAT_CACHE_DIR") or cache_dir() / "prefix").expanduser()

@@ -10,3 +10,14 @@ def human_duration(seconds: float) -> str:
         return f"{max(seconds, 1):.0f} s"
     minutes = round(seconds / 60)
     return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'; whole numbers below 10 units keep one decimal."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(n)} B"
+            return f"{n:.1f} {unit}" if abs(n) < 10 else f"{n:.0f} {unit}"
+        n /= 1024
+    return f"{n:.0f} TiB"

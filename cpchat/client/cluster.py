@@ -7,7 +7,7 @@ import contextlib
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,6 +26,7 @@ from cpchat.client.generation import (
     TokenOut,
 )
 from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks, rank_devices, visible_gpus
+from cpchat.client.prefixes import PrefixChoice, PrefixGone, PrefixLoaded, SavedPrefix
 from cpchat.core.algorithms import BY_NAME
 from cpchat.core.estimate import PrefillCost
 from cpchat.errors import BackendError, BadInput
@@ -194,14 +195,14 @@ class Cluster:
 
     @classmethod
     def launch(cls, num_ranks: int, blas_choice: str = "auto", pin_cpus: bool = False,
-               transport: str = "auto", devices: str = "all") -> Cluster:
+               transport: str = "auto", devices: str = "all", flags: Sequence[str] = ()) -> Cluster:
         """Local ranks, pinned one per visible GPU in turn unless devices is "none" (--devices)."""
         try:
             pinned = rank_devices(devices, visible_gpus())
         except ValueError as e:
             raise BadInput(str(e)) from None
         try:
-            local = launch_local_ranks(num_ranks, blas_choice, pin_cpus, pinned)
+            local = launch_local_ranks(num_ranks, blas_choice, pin_cpus, pinned, flags)
         except LaunchError as e:
             raise BackendError(str(e)) from None
         except BlasUnavailable as e:
@@ -411,6 +412,34 @@ class Cluster:
         self._each(lambda r: r.control.Reset(pb.ResetRequest(keep_tokens=keep_tokens), timeout=30,
                                              metadata=self.metadata))
 
+    def find_prefixes(self, tokens: list[int]) -> list[list[SavedPrefix]]:
+        """What each rank has saved on its disk that begins like `tokens`."""
+        request = pb.FindPrefixesRequest(tokens=tokens)
+        replies = self._each(lambda r: r.control.FindPrefixes(request, timeout=30, metadata=self.metadata))
+        return [[SavedPrefix(p.prefix_id, p.num_ranks, p.shard, p.tokens, p.common, p.floor,
+                             tuple(p.state_positions)) for p in reply.prefixes] for reply in replies]
+
+    def load_prefix(self, choice: PrefixChoice) -> PrefixLoaded:
+        """Every rank takes the saved prefix. PrefixGone: some rank no longer
+        has it (or found its file unreadable); the ranks' KV is then undefined until a reset."""
+        request = pb.LoadPrefixRequest(prefix_id=choice.prefix_id, num_ranks=choice.num_ranks,
+                                       tokens=choice.tokens)
+        futures = [self._pool.submit(r.control.LoadPrefix, request, timeout=600, metadata=self.metadata)
+                   for r in self.ranks]
+        wait(futures)
+        gone = []
+        for r, f in zip(self.ranks, futures, strict=True):
+            try:
+                f.result()
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    raise BackendError(self._describe(r, e, "a prefix load")) from None
+                gone.append(f"{r.label}: {e.details()}")
+        if gone:
+            raise PrefixGone("; ".join(gone))
+        replies = [f.result() for f in futures]
+        return PrefixLoaded(max(r.keep_floor for r in replies), tuple(replies[0].state_positions))
+
     def cancel(self) -> None:
         """Ask every rank at once to abort the running request (a hung rank costs one deadline)."""
         request = pb.CancelRequest(request_id=self._current_request)
@@ -615,7 +644,7 @@ def _request(g: GenerationRequest) -> pb.GenerateRequest:
         request_id=g.request_id or uuid.uuid4().hex, keep_tokens=g.keep_tokens, tokens=g.tokens,
         algorithm=pb.Algorithm.Value(BY_NAME[g.algorithm].wire), max_tokens=g.max_tokens,
         sampling=pb.Sampling(temperature=g.temperature, top_p=g.top_p, seed=g.seed),
-        stop_tokens=g.stop_tokens, decode=pb.Decode.Value(BY_NAME[g.decode].wire),
+        stop_tokens=g.stop_tokens, decode=pb.Decode.Value(BY_NAME[g.decode].wire), save_prefix=g.save_prefix,
     )
 
 

@@ -6,6 +6,7 @@ import os
 import secrets
 import stat
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +57,9 @@ def read_bytes(path: str | None, what: str) -> bytes | None:
         raise BadInput(f"cannot read {what} {path}: {e.strerror}") from None
 
 
-def connect_cluster(options: ClusterOptions, ranks: int, blas_choice: str = "auto") -> Cluster:
-    """Launch `ranks` local ranks with that BLAS, or attach to running ones, and form the ring."""
+def connect_cluster(options: ClusterOptions, ranks: int, blas_choice: str = "auto",
+                    flags: Sequence[str] = ()) -> Cluster:
+    """Launch `ranks` local ranks with that BLAS and `flags`, or attach to running ones, and form the ring."""
     token = read_token(options.token_file) if options.token_file else None
     tls_ca = read_bytes(options.tls_ca, "CA certificate")
     if options.launch:
@@ -66,7 +68,8 @@ def connect_cluster(options: ClusterOptions, ranks: int, blas_choice: str = "aut
         addresses = parse_addresses(options.attach) if options.attach else read_hostfile(options.hostfile)
         cluster = Cluster(addresses, token=token, tls_ca=tls_ca, transport=options.transport)
     else:
-        cluster = Cluster.launch(ranks, blas_choice, transport=options.transport, devices=options.devices)
+        cluster = Cluster.launch(ranks, blas_choice, transport=options.transport, devices=options.devices,
+                                 flags=flags)
     try:
         cluster.connect()
     except BaseException:

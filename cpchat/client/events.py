@@ -38,6 +38,9 @@ class Prefill:
     estimates_ms: dict[str, float] = field(default_factory=dict)  # auto's estimate for each algorithm
     linear_layers: str = ""  # how linear-attention layers crossed the ring (models that have them)
     state_combine_ms: float = 0.0  # of ms: their halo exchange and state combine, on the reporting rank
+    reused_tokens: int = 0  # the cached tokens: K/V held in the ranks' memory or loaded from their disks
+    cache: str = "none"  # where they came from: "memory" | "disk" | "none"
+    load_ms: float = 0.0  # finding and loading them from disk (before the prefill's ms)
 
 
 @dataclass

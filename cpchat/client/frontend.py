@@ -15,7 +15,7 @@ from cpchat.client.cluster import Cluster
 from cpchat.client.connect import ClusterOptions, connect_cluster
 from cpchat.client.hub import front_end_copy
 from cpchat.client.session import Message, SamplingOptions, Session, load_tokenizer
-from cpchat.client.settings import Settings, resolve_model
+from cpchat.client.settings import Settings, rank_flags, resolve_model
 from cpchat.errors import BackendError, BadInput
 
 Report = Callable[[str, int, int], None]
@@ -46,7 +46,8 @@ class Frontend:
             self.model_path, description = resolve_model(self.settings.model)
             self.tokenizer_dir = self._fetch(self.model_path, report)
             report("connect", 0, self.settings.ranks)
-            cluster = connect_cluster(self.options, self.settings.ranks, self.settings.blas)
+            cluster = connect_cluster(self.options, self.settings.ranks, self.settings.blas,
+                                      rank_flags(self.settings))
             self.cluster, self.own_cluster = cluster, True
             if self.closing.is_set():
                 return description
@@ -63,7 +64,7 @@ class Frontend:
         if old is not None and self.own_cluster:
             old.close()
         report("connect", 0, n)
-        cluster = Cluster.launch(n, self.settings.blas)
+        cluster = Cluster.launch(n, self.settings.blas, flags=rank_flags(self.settings))
         cluster.connect()
         self.cluster, self.own_cluster = cluster, True
         if not self.closing.is_set():
@@ -104,7 +105,7 @@ class Frontend:
             s = self.settings
             sampling = SamplingOptions(s.max_tokens, s.temp, s.top_p, s.seed)
             self.session = Session(self.cluster, self.tokenizer, raw=raw, algorithm=s.algorithm,
-                                   sampling=sampling)
+                                   sampling=sampling, prefix_cache=s.cache)
             self.session.messages = list(messages)
         return self.session
 

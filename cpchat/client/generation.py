@@ -18,6 +18,7 @@ class GenerationRequest:
     seed: int = 0
     stop_tokens: list[int] = field(default_factory=list)  # generation ends after one of these
     request_id: str = ""  # empty: the cluster names it
+    save_prefix: bool = False  # the ranks save what they hold after the answer (the prefix cache)
 
 
 @dataclass(frozen=True)

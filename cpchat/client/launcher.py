@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,9 +90,10 @@ def rank_devices(choice: str, visible: list[str]) -> list[str]:
 
 
 def launch_local_ranks(n: int, blas_choice: str = "auto", pin_cpus: bool = False,
-                       devices: list[str] | None = None) -> list[LocalRank]:
+                       devices: list[str] | None = None, flags: Sequence[str] = ()) -> list[LocalRank]:
     """Start n ranks at once and wait until each reports its address. With pin_cpus, rank i runs
-    on core i (modulo the cores there are); with devices, on devices[i] (modulo their number)."""
+    on core i (modulo the cores there are); with devices, on devices[i] (modulo their number);
+    `flags` go to each (`cpchat rank --cache-dir ...`)."""
     if n < 1:
         raise LaunchError(f"--ranks must be at least 1, got {n}")
     env = rank_environment(blas_choice)
@@ -112,6 +114,7 @@ def launch_local_ranks(n: int, blas_choice: str = "auto", pin_cpus: bool = False
             str(os.getpid()),
             "--blas",
             blas_choice,
+            *flags,
         ]
         if pin_cpus:
             cmd += ["--cpu", str(i % os.cpu_count())]

@@ -22,12 +22,14 @@ from cpchat.client.events import (
     Token,
 )
 from cpchat.client.generation import GenerationDone, GenerationRequest, LayerDone, PrefillDone, TokenOut
+from cpchat.client.prefixes import MIN_GAIN, PrefixGone, choose_prefix
 from cpchat.core.heuristics import Measured, Workload, choose_algorithm, choose_decode
 from cpchat.errors import BadInput
 
 Event = Prefill | Progress | Token | Done
 
 PROGRESS_INTERVAL_S = 0.25  # prefill progress at most 4 times a second (and once at its end)
+SAVE_MIN_TOKENS = 1024  # the ranks save a conversation on disk once it is this long (prefix cache)
 
 
 @dataclass
@@ -91,8 +93,13 @@ class Session:
         algorithm: str = "auto",
         sampling: SamplingOptions | None = None,
         decode: str = "auto",
+        prefix_cache: bool = False,
     ) -> None:
         self.cluster, self.tokenizer, self.raw = cluster, tokenizer, raw
+        # Reuse prefixes the ranks saved on disk, and have them save this conversation's (from
+        # save_min_tokens on): a new session about the same document prefills only what is new.
+        self.prefix_cache = prefix_cache
+        self.save_min_tokens = SAVE_MIN_TOKENS
         self.algorithm = algorithm
         # How decode steps share partial outputs: "exchange" (one step), "ring", or "auto" (the cost
         # model's choice from the measured latencies).
@@ -198,6 +205,24 @@ class Session:
 
     # ---- a turn
 
+    def _reuse_saved(self, full: list[int], keep: int) -> bool:
+        """Load the longest prefix of `full` the ranks saved on disk, if it beats the `keep` tokens the
+        ring holds; whether one was loaded. A prefix gone meanwhile leaves the ring empty."""
+        if len(full) - 1 - keep < MIN_GAIN:
+            return False
+        choice = choose_prefix(self.cluster.find_prefixes(full), len(full) - 1, keep)
+        if choice is None:
+            return False
+        try:
+            loaded = self.cluster.load_prefix(choice)
+        except PrefixGone:
+            self.cluster.reset(0)
+            self.held, self.keep_floor, self.state_positions = [], 0, []
+            return False
+        self.held = full[: choice.tokens]
+        self.keep_floor, self.state_positions = loaded.keep_floor, list(loaded.state_positions)
+        return True
+
     def cancel(self) -> None:
         self._cancel.set()
         self.cluster.cancel()
@@ -254,7 +279,12 @@ class Session:
         bad = [t for t in full if not 0 <= t < vocab]
         if bad:
             raise BadInput(f"token id {bad[0]} is outside the model's vocabulary (size {vocab})")
+        t_start = time.perf_counter()
         keep = self._kept(full)
+        cache = "memory" if keep else "none"
+        if self.prefix_cache and self._reuse_saved(full, keep):
+            keep, cache = self._kept(full), "disk"
+        load_ms = round(1000 * (time.perf_counter() - t_start), 1)
         new = full[keep:]
         choice = self.choose_algorithm(len(new), keep)
         self.last_choice = choice
@@ -265,6 +295,7 @@ class Session:
             algorithm=choice.algorithm, decode=self.decode_exchange(len(full)),
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed,
             stop_tokens=sorted(self.tokenizer.eos_token_ids),
+            save_prefix=self.prefix_cache and len(full) >= self.save_min_tokens,
         )
         self._cancel.clear()
         turn = self.turn_index
@@ -272,7 +303,6 @@ class Session:
         detok.reset()
         generated: list[int] = []
         shown: list[str] = []
-        t_start = time.perf_counter()
         t_first = t_last = None
         t_progress = t_start
         done = None
@@ -290,7 +320,8 @@ class Session:
                                    round(1000 * (now - t_start), 1))
             elif isinstance(event, PrefillDone):
                 yield Prefill(turn, len(new), keep, choice.algorithm, round(event.ms, 1), choice.reason,
-                              choice.estimates_ms, event.linear_layers, round(event.state_combine_ms, 1))
+                              choice.estimates_ms, event.linear_layers, round(event.state_combine_ms, 1),
+                              reused_tokens=keep, cache=cache, load_ms=load_ms if cache == "disk" else 0.0)
             elif isinstance(event, TokenOut):
                 t_last = time.perf_counter()
                 t_first = t_first or t_last

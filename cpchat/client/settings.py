@@ -50,6 +50,9 @@ class Settings:
     seed: int | None = None
     theme: str = "textual-dark"
     blas: str = "auto"  # for local ranks: auto | openblas | mkl | reference (cpchat/blas.py)
+    cache: bool = True  # the prefix cache: ranks save conversations on disk and later sessions reuse them
+    cache_dir: str = ""  # where local ranks keep it ("": <user cache dir>/cpchat/prefix)
+    cache_max_gb: float = 16.0  # per rank
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -64,20 +67,32 @@ _CASTS = {
     "seed": int,
     "theme": str,
     "blas": str,
+    "cache": lambda v: v if isinstance(v, bool) else _flag(str(v)),
+    "cache_dir": str,
+    "cache_max_gb": float,
 }
+
+
+def _flag(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
 
 
 def _set(settings: Settings, key: str, value: object, source: str) -> None:
     try:
         value = _CASTS[key](value)
     except (TypeError, ValueError):
-        raise BadInput(
-            f"setting {key} from {source}: {value!r} is not a valid {_CASTS[key].__name__}"
-        ) from None
+        kind = "true or false" if key == "cache" else f"a valid {_CASTS[key].__name__}"
+        raise BadInput(f"setting {key} from {source}: {value!r} is not {kind}") from None
     if key == "algorithm" and value not in ALGORITHMS:
         raise BadInput(f"setting algorithm from {source}: {value!r} is not {', '.join(ALGORITHMS)}")
     if key == "blas" and value not in blas.CHOICES:
         raise BadInput(f"setting blas from {source}: {value!r} is not {', '.join(blas.CHOICES)}")
+    if key == "cache_max_gb" and value < 0:
+        raise BadInput(f"setting cache_max_gb from {source}: cannot be negative")
     if key == "ranks" and value < 1:
         raise BadInput(f"setting ranks from {source}: must be at least 1")
     setattr(settings, key, value)
@@ -110,11 +125,22 @@ def resolve_settings(args: argparse.Namespace, config_file: Path | None = None) 
         "top_p": args.top_p,
         "seed": args.seed,
         "blas": args.blas,
+        "cache": False if args.no_cache else None,
+        "cache_dir": args.cache_dir,
+        "cache_max_gb": args.cache_max_gb,
     }
     for key, value in flags.items():
         if value is not None:
             _set(settings, key, value, "flag --" + key.replace("_", "-"))
     return settings
+
+
+def rank_flags(settings: Settings) -> list[str]:
+    """The prefix-cache settings as flags for the local ranks a front end launches."""
+    if not settings.cache:
+        return ["--no-cache"]
+    flags = ["--cache-max-gb", str(settings.cache_max_gb)]
+    return flags + (["--cache-dir", str(Path(settings.cache_dir).expanduser())] if settings.cache_dir else [])
 
 
 def demo_model() -> tuple[Path, str]:

@@ -145,7 +145,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens", "decode")
+    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens", "decode", "save_prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    SAVE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     keep_tokens: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -162,7 +163,8 @@ class GenerateRequest(_message.Message):
     sampling: Sampling
     stop_tokens: _containers.RepeatedScalarFieldContainer[int]
     decode: Decode
-    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[Decode, str]] = ...) -> None: ...
+    save_prefix: bool
+    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[Decode, str]] = ..., save_prefix: _Optional[bool] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("prefill", "token", "done", "progress")
@@ -295,6 +297,56 @@ class ResetReply(_message.Message):
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     kv_tokens: int
     def __init__(self, kv_tokens: _Optional[int] = ...) -> None: ...
+
+class FindPrefixesRequest(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SavedPrefix(_message.Message):
+    __slots__ = ("prefix_id", "num_ranks", "shard", "tokens", "common", "floor", "state_positions")
+    PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMMON_FIELD_NUMBER: _ClassVar[int]
+    FLOOR_FIELD_NUMBER: _ClassVar[int]
+    STATE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    prefix_id: str
+    num_ranks: int
+    shard: int
+    tokens: int
+    common: int
+    floor: int
+    state_positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prefix_id: _Optional[str] = ..., num_ranks: _Optional[int] = ..., shard: _Optional[int] = ..., tokens: _Optional[int] = ..., common: _Optional[int] = ..., floor: _Optional[int] = ..., state_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FindPrefixesReply(_message.Message):
+    __slots__ = ("prefixes",)
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    prefixes: _containers.RepeatedCompositeFieldContainer[SavedPrefix]
+    def __init__(self, prefixes: _Optional[_Iterable[_Union[SavedPrefix, _Mapping]]] = ...) -> None: ...
+
+class LoadPrefixRequest(_message.Message):
+    __slots__ = ("prefix_id", "num_ranks", "tokens")
+    PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prefix_id: str
+    num_ranks: int
+    tokens: int
+    def __init__(self, prefix_id: _Optional[str] = ..., num_ranks: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class LoadPrefixReply(_message.Message):
+    __slots__ = ("kv_tokens", "keep_floor", "state_positions")
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FLOOR_FIELD_NUMBER: _ClassVar[int]
+    STATE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    kv_tokens: int
+    keep_floor: int
+    state_positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kv_tokens: _Optional[int] = ..., keep_floor: _Optional[int] = ..., state_positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -71,6 +71,16 @@ class ControlStub:
                 request_serializer=cpchat_dot_protocol_dot_cpchat__pb2.ResetRequest.SerializeToString,
                 response_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.ResetReply.FromString,
                 _registered_method=True)
+        self.FindPrefixes = channel.unary_unary(
+                '/cpchat.Control/FindPrefixes',
+                request_serializer=cpchat_dot_protocol_dot_cpchat__pb2.FindPrefixesRequest.SerializeToString,
+                response_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.FindPrefixesReply.FromString,
+                _registered_method=True)
+        self.LoadPrefix = channel.unary_unary(
+                '/cpchat.Control/LoadPrefix',
+                request_serializer=cpchat_dot_protocol_dot_cpchat__pb2.LoadPrefixRequest.SerializeToString,
+                response_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.LoadPrefixReply.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/cpchat.Control/Health',
                 request_serializer=cpchat_dot_protocol_dot_cpchat__pb2.HealthRequest.SerializeToString,
@@ -140,6 +150,23 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FindPrefixes(self, request, context):
+        """The prefix cache: which conversation states this rank has saved on its own disk (for the loaded
+        model) that begin like `tokens`. Saved by a Generate with save_prefix; nothing crosses the ring.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadPrefix(self, request, context):
+        """Replace this rank's KV (and linear layers' states) with a saved prefix cut to `tokens` tokens.
+        Every rank is called with the same request. NOT_FOUND: the prefix is gone or was unreadable (an
+        unreadable file is removed); the front end then prefills instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -189,6 +216,16 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.ResetRequest.FromString,
                     response_serializer=cpchat_dot_protocol_dot_cpchat__pb2.ResetReply.SerializeToString,
+            ),
+            'FindPrefixes': grpc.unary_unary_rpc_method_handler(
+                    servicer.FindPrefixes,
+                    request_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.FindPrefixesRequest.FromString,
+                    response_serializer=cpchat_dot_protocol_dot_cpchat__pb2.FindPrefixesReply.SerializeToString,
+            ),
+            'LoadPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadPrefix,
+                    request_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.LoadPrefixRequest.FromString,
+                    response_serializer=cpchat_dot_protocol_dot_cpchat__pb2.LoadPrefixReply.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -392,6 +429,60 @@ class Control:
             '/cpchat.Control/Reset',
             cpchat_dot_protocol_dot_cpchat__pb2.ResetRequest.SerializeToString,
             cpchat_dot_protocol_dot_cpchat__pb2.ResetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FindPrefixes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpchat.Control/FindPrefixes',
+            cpchat_dot_protocol_dot_cpchat__pb2.FindPrefixesRequest.SerializeToString,
+            cpchat_dot_protocol_dot_cpchat__pb2.FindPrefixesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpchat.Control/LoadPrefix',
+            cpchat_dot_protocol_dot_cpchat__pb2.LoadPrefixRequest.SerializeToString,
+            cpchat_dot_protocol_dot_cpchat__pb2.LoadPrefixReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,9 +8,11 @@ stores its K/V on one rank, chosen round-robin by position.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from cpchat.checkpoints.resolve import is_checkpoint, model_dir
 from cpchat.core.algorithms import BY_NAME
 from cpchat.core.attention import partial_attention
 from cpchat.core.estimate import PrefillCost, line_through
-from cpchat.core.sharding import head_tail_layout, owner_of
+from cpchat.core.sharding import head_tail_layout, owner_of, padded_length
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import context_parallel, fit, latent_attention, linear_layers
 from cpchat.rank.algorithms import DECODE, PREFILL
@@ -30,6 +32,8 @@ from cpchat.rank.cpu_products import use_float32_products
 from cpchat.rank.fit import LayerAttention, LayerRecurrence, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.linear_layers import StateCache
+from cpchat.rank.prefix_cache import CacheMiss, Entry, Found, Layout, PrefixStore, model_identity, prefix_id
+from cpchat.rank.prefix_shard import capture, restore
 from cpchat.rank.statestore import StateStore
 from cpchat.rank.transport.ring import Aborted, Mailbox, Ring
 from cpchat.rank.transport.wire import BlockKey
@@ -53,6 +57,7 @@ class ModelShape:
     max_context: int
     layers: list[LayerAttention | LayerRecurrence]
     exact_tokens: int | None  # past this, mlx-lm's own RoPE depends on how it cuts the prompt
+    identity: str = ""  # the model's files and the settings its K/V depend on (prefix_cache.model_identity)
 
     @property
     def linear(self) -> frozenset[int]:
@@ -68,6 +73,7 @@ def load_model(name: str):
     """Load with mlx-lm (a directory, a hub id `ORG/NAME[@revision]` or a checkpoint to convert, each
     resolved on this machine), install ring attention, and find out what each layer's attention needs."""
     from mlx_lm import load
+    from mlx_lm.utils import _download
 
     if is_checkpoint(name):  # a GGUF file, an Ollama model or a named one: converted on this machine
         name = str(model_dir(name))
@@ -87,6 +93,7 @@ def load_model(name: str):
     usable = fit.usable_context(config)
     if mx.default_device() == mx.cpu:
         use_float32_products(model)
+    local = Path(path) if Path(path).exists() else Path(_download(path, revision=revision))
     layers = fit.describe_layers(model, _probe_forward(model))
     first = next(layer for layer in layers if isinstance(layer, LayerAttention))  # cache_slots saw one
     info = ModelShape(
@@ -101,6 +108,7 @@ def load_model(name: str):
         layers=layers,
         exact_tokens=exact_tokens,
     )
+    info.identity = model_identity(local, {"device": str(mx.default_device()), "kv_bytes": first.dtype_bytes})
     return model, info
 
 
@@ -196,6 +204,11 @@ def sample(logits: mx.array, sampling: pb.Sampling, index: int) -> tuple[int, fl
     return token, float(logprobs[token].item())
 
 
+def _covers(new: dict, old: dict) -> bool:
+    """Whether a new save serves every cut the old one served (so the old file can go)."""
+    return new["floor"] <= old["floor"] and set(old["state_positions"]) <= set(new["state_positions"])
+
+
 class Engine:
     """A loaded model plus this rank's KV shard; runs one request at a time."""
 
@@ -208,13 +221,25 @@ class Engine:
         self.last_timings: list[StepTiming] = []
         self.last_algorithm = ""
         self.prefill_cost = PrefillCost(0, 0, 0)  # of the loaded model, measured once when it loads
+        self.keep_floor = 0
+        # The prefix cache (None: --no-cache): what the ring holds is described by its token ids and
+        # layout; `origin` is the saved prefix it continues, superseded by the next save.
+        self.cache: PrefixStore | None = None
+        self.model_name = ""
+        self.tokens = np.zeros(0, np.uint32)
+        self.segments: list[tuple[int, int]] = []
+        self.origin: Entry | None = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-writer")
+        self._saves: list[Future] = []
 
     def load(self, path: str) -> ModelShape:
         self.model, self.info = load_model(path)
+        self.model_name = path
         self.prefill_cost = measure_prefill(self.model, self.info)
         self.kv = KVShard(self.info.num_layers, self.info.linear)
         self.states = StateStore()
         self.total_tokens = 0
+        self._forget_history(0)
         return self.info
 
     def reset(self, keep_tokens: int = 0) -> None:
@@ -223,8 +248,15 @@ class Engine:
         if self.info.linear and keep_tokens != self.total_tokens:  # _check_keep: a snapshot holds it
             self.states.restore(keep_tokens)
         self.total_tokens = keep_tokens
+        self._forget_history(keep_tokens)
         if keep_tokens == 0:
             self.keep_floor = 0
+
+    def _forget_history(self, keep_tokens: int) -> None:
+        self.tokens = self.tokens[:keep_tokens]
+        self.segments = [s for s in self.segments if s[0] < keep_tokens]
+        if self.origin is not None and self.origin.header["tokens"] > keep_tokens:
+            self.origin = None
 
     def _check_keep(self, keep_tokens: int) -> None:
         if keep_tokens > self.total_tokens:
@@ -302,6 +334,8 @@ class Engine:
         logits = _run_model(self.model, ring_pass, ids, row=local.index(len(tokens) - 1) if mine else 0)
         self._record(ring_pass)
         self.total_tokens = start + len(tokens)
+        self.tokens = np.concatenate([self.tokens, np.array(tokens, np.uint32)])
+        self.segments.append((start, len(tokens)))
         return logits if mine else None
 
     def _decode(
@@ -330,6 +364,7 @@ class Engine:
         logits = _run_model(self.model, ring_pass, mx.array([[token]]), row=0)
         self._record(ring_pass)
         self.total_tokens = position + 1
+        self.tokens = np.append(self.tokens, np.uint32(token))
         return logits if ring.rank == 0 else None
 
     def _record(self, ring_pass: RingPass) -> None:
@@ -385,6 +420,8 @@ class Engine:
             logits = self._prefill(req, ring, abort, on_layer)
             prompt_end = start + len(req.tokens)
             self.states.snapshot(prompt_end, keep={start})
+            before_forgetting = {i: self.kv.layer(i) for i, w in enumerate(self.windows)
+                                 if w and req.save_prefix and self.cache is not None}
             if self.slides:
                 self.keep_floor = start  # a roll back still needs the window before `start`
                 self._forget_outside_windows(prompt_end, rollback_to=start)
@@ -408,11 +445,78 @@ class Engine:
             if self.slides:
                 self._forget_outside_windows(prompt_end, rollback_to=prompt_end)
                 self.keep_floor = prompt_end
+            if req.save_prefix and self.cache is not None:
+                self._save(ring, before_forgetting, prompt_end)
         except BaseException:
             self.reset(start)
             raise
         finally:
             ring.mailbox.forget(req.request_id)
+
+    # ---- the prefix cache
+
+    def _save(self, ring: Ring, before_forgetting: dict, prompt_end: int) -> None:
+        """Capture this rank's shard here (the MLX thread) and write it on the writer thread."""
+        layout = Layout(ring.size, tuple(self.segments))
+        header, arrays = capture(self.kv, self.states, self.tokens, self.windows, before_forgetting,
+                                 prompt_end)
+        header |= {"prefix_id": prefix_id(self.info.identity, layout, self.tokens),
+                   "model_key": self.info.identity, "model": self.model_name,
+                   "num_ranks": ring.size, "shard": ring.rank,
+                   "tokens": len(self.tokens), "segments": layout.segments, "saved": time.time()}
+        origin = self.origin if self.origin is not None and _covers(header, self.origin.header) else None
+        self.origin = Entry(self.cache.path(header["prefix_id"], ring.rank, ring.size), header)
+        self._saves = [f for f in self._saves if not f.done()]
+        self._saves.append(self._writer.submit(self._write, header, arrays, origin))
+
+    def _write(self, header: dict, arrays: dict, replaces: Entry | None) -> None:
+        try:
+            self.cache.save(header, {name: np.asarray(a) for name, a in arrays.items()}, replaces)
+        except OSError as e:  # a full or read-only disk costs the cache, never the answer
+            print(f"cpchat rank: cannot save the prefix in {self.cache.root}: {e}", file=sys.stderr,
+                  flush=True)
+
+    def flush(self) -> None:
+        """Wait for the prefix files being written."""
+        for f in list(self._saves):
+            f.result()
+
+    def find_prefixes(self, tokens: list[int]) -> list[Found]:
+        """The saved prefixes that begin like `tokens`, saves under way included."""
+        if self.cache is None or self.model is None:
+            return []
+        self.flush()
+        return self.cache.find(self.info.identity, np.array(tokens, np.uint32))
+
+    def load_prefix(self, prefix: str, num_ranks: int, tokens: int, ring: Ring) -> None:
+        """Hold a saved prefix cut to `tokens`: this rank's own shard of it, or (saved by a ring of
+        another size, on this disk) from every shard the positions a prefill would give this rank."""
+        if self.model is None:
+            raise BadRequest("no model is loaded")
+        if self.cache is None:
+            raise CacheMiss("this rank keeps no prefix cache (--no-cache)")
+        same = num_ranks == ring.size
+        shards = [self.cache.load(prefix, s, num_ranks, self.info.identity)
+                  for s in ([ring.rank] if same else range(num_ranks))]
+        for header, _ in shards:
+            if not header["floor"] <= tokens <= header["tokens"] or (
+                    self.info.linear and tokens not in header["state_positions"]):
+                raise CacheMiss(f"prefix {prefix} cannot be cut at {tokens} tokens")
+
+        def mine(p: np.ndarray) -> np.ndarray:
+            if same:
+                return np.ones(len(p), bool)
+            chunk = np.minimum(p // (padded_length(tokens, ring.size) // (2 * ring.size)), 2 * ring.size - 1)
+            return np.minimum(chunk, 2 * ring.size - 1 - chunk) == ring.rank
+
+        header = shards[0][0]
+        self.kv, self.states = restore(shards, tokens, self.info.num_layers, self.info.linear, mine)
+        self.total_tokens = tokens
+        self.tokens = shards[0][1]["tokens"][:tokens].copy()
+        self.segments = [tuple(s) for s in header["segments"] if s[0] < tokens] if same else [(0, tokens)]
+        self.keep_floor = max(h["floor"] for h, _ in shards)
+        own = Entry(self.cache.path(prefix, ring.rank, num_ranks), header)
+        self.origin = own if same and header["tokens"] == tokens else None
 
     def _agree(self, req, ring: Ring, abort, source: int, index: int, logits) -> tuple[int, float]:
         """The source rank samples and sends the token to every other rank at once."""

@@ -81,6 +81,17 @@ class KVShard:
             return None, None, positions[:0]
         return self.keys[layer][..., :n, :], self.values[layer][..., :n, :], positions[:n]
 
+    def fill(self, positions: np.ndarray, layers: dict[int, tuple[mx.array, mx.array, np.ndarray]]) -> None:
+        """Hold these tokens: each attention layer's keys, values and their positions (a saved prefix)."""
+        self._pending = None
+        self.positions = positions.astype(np.int32)
+        for i in range(self.num_layers):
+            keys, values, held = layers.get(i, (None, None, self.positions[:0]))
+            self.keys[i], self.values[i] = keys, values
+            self._layer_positions[i] = self.positions if i in self.linear else held.astype(np.int32)
+            self._lengths[i] = 0 if keys is None else keys.shape[2]
+        mx.eval([a for a in self.keys + self.values if a is not None])
+
     def layer_positions(self, layer: int) -> np.ndarray:
         return self._layer_positions[layer]
 

@@ -29,6 +29,7 @@ from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 from cpchat.protocol.channel import SERVER_KEEPALIVE, TokenCheck, open_channel, token_metadata
 from cpchat.rank.calibration import MAX_PROBE_BYTES, PROBE_BYTES, Calibration, calibrate
 from cpchat.rank.engine import BadRequest, Engine, UnsupportedModel
+from cpchat.rank.prefix_cache import CacheMiss, PrefixStore
 from cpchat.rank.transport.data_plane import (
     DataPlane,
     DataPlaneLink,
@@ -460,6 +461,30 @@ class ControlServicer(pb_grpc.ControlServicer):
             self.s.busy.release()
         return pb.ResetReply(kv_tokens=len(self.s.engine.kv) if self.s.engine.kv else 0)
 
+    def FindPrefixes(self, request, context):
+        found = self.s.engine.find_prefixes(list(request.tokens))
+        return pb.FindPrefixesReply(prefixes=[
+            pb.SavedPrefix(prefix_id=f.prefix_id, num_ranks=f.num_ranks, shard=f.shard, tokens=f.tokens,
+                           common=f.common, floor=f.floor, state_positions=f.state_positions) for f in found])
+
+    def LoadPrefix(self, request, context):
+        if not self.s.busy.acquire(blocking=False):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "rank is busy; cancel the generation first")
+        try:
+            if self.s.ring is None:
+                raise NotNow("this rank is not part of a ring yet (Configure first)")
+            engine = self.s.engine
+            self.s.on_mlx(engine.load_prefix, request.prefix_id, request.num_ranks, request.tokens,
+                          self.s.ring)
+        except CacheMiss as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except BadRequest as e:
+            context.abort(status_of(e), str(e))
+        finally:
+            self.s.busy.release()
+        return pb.LoadPrefixReply(kv_tokens=len(engine.kv), keep_floor=engine.keep_floor,
+                                  state_positions=engine.state_positions)
+
     def Health(self, request, context):
         return pb.HealthReply(state=self.s.state, rank=self.s.rank, pid=os.getpid(), blas=self.s.blas,
                               shm_endpoint=self.s.shm.endpoint if self.s.shm else "",
@@ -469,6 +494,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                               data_plane_port=self.s.data_plane_port)
 
     def Shutdown(self, request, context):
+        self.s.engine.flush()  # the prefix files being written are finished first
         self.stop.set()
         return pb.ShutdownReply()
 
@@ -536,10 +562,13 @@ def serve(
     tls_key: bytes | None = None,
     tls_ca: bytes | None = None,
     parent_pid: int | None = None,
+    cache: PrefixStore | None = None,
 ) -> None:
-    """Run a rank until Shutdown, SIGTERM, or the death of its parent."""
+    """Run a rank until Shutdown, SIGTERM, or the death of its parent. `cache`: where it saves prefixes
+    (None: it never touches the disk for them)."""
     stop = threading.Event()
     state = RankState(token, tls_ca)
+    state.engine.cache = cache
     state.shm = SharedMemoryListener(token, state.receive, state.link_closed)
     state.data_plane_port = free_port(host)
     interceptors = [TokenCheck(token)] if token else []

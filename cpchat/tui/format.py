@@ -2,16 +2,7 @@
 
 from __future__ import annotations
 
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'; whole numbers below 10 units keep one decimal."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{int(n)} B"
-            return f"{n:.1f} {unit}" if abs(n) < 10 else f"{n:.0f} {unit}"
-        n /= 1024
-    return f"{n:.0f} TiB"
+from cpchat.format import human_bytes  # noqa: F401 - the panels' home for it
 
 
 def human_count(n: int) -> str:

@@ -1,0 +1,204 @@
+"""PrefixStore: the saved conversation states on this rank's disk, one file per rank's shard.
+
+A saved prefix is named by `prefix_id`: a hash of the model's identity, the token ids, the ring
+size and the layout (which global positions each rank held), and the file format. So a file can only
+be found by a ring that would compute the same keys and values, and every rank of one ring names
+its shard of one state alike: `<prefix_id>-<shard>-of-<num_ranks>.kvp`. The rank derives every
+path itself; a client passes a prefix id, which must be 32 hex digits.
+
+Files that cannot be read are removed, never loaded (cpchat/rank/prefix_file.py checks them).
+The store is bounded per shard index: after a write, the least recently used files of that index
+go until the rest fit `max_bytes`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cpchat.rank import prefix_file
+from cpchat.rank.prefix_file import CorruptFile
+
+SUFFIX = ".kvp"
+_NAME = re.compile(r"^([0-9a-f]{32})-(\d+)-of-(\d+)\.kvp$")
+
+
+class CacheMiss(Exception):
+    """The saved prefix asked for is not (or no longer) here, or cannot be read."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which global positions each rank of a ring holds: prefills (start, length) are sharded head-tail
+    (cpchat.core.sharding), and each position outside them (a decoded token) is held by rank p % N."""
+
+    num_ranks: int
+    segments: tuple[tuple[int, int], ...]
+
+    def cut(self, tokens: int) -> Layout:
+        return Layout(self.num_ranks, tuple(s for s in self.segments if s[0] < tokens))
+
+
+def prefix_id(model_key: str, layout: Layout, tokens: np.ndarray) -> str:
+    key = {"format": prefix_file.VERSION, "model": model_key, "ranks": layout.num_ranks,
+           "segments": layout.cut(len(tokens)).segments,
+           "tokens": hashlib.sha256(np.asarray(tokens, np.uint32).tobytes()).hexdigest()}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def model_identity(model_dir: Path, settings: dict) -> str:
+    """A hash of the model's files (name, size, modification time; config.json's content) and of the
+    settings its keys and values depend on (dtype, device): a rewritten weights file changes it."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        stat = path.stat()  # of a hub snapshot's symlink target: the blob
+        digest.update(f"{path.relative_to(model_dir)}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        if path.name == "config.json":
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Found:
+    """A saved shard that begins like the request's tokens."""
+
+    prefix_id: str
+    num_ranks: int
+    shard: int
+    tokens: int  # the saved prefix's length
+    common: int  # of them, how many begin the request's tokens
+    floor: int  # the shortest cut this shard can be loaded at (sliding-window layers forgot keys)
+    state_positions: tuple[int, ...]  # where linear layers' states were saved; empty: any cut
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    header: dict
+
+    @property
+    def shard(self) -> int:
+        return self.header["shard"]
+
+    @property
+    def size(self) -> int:
+        return self.path.stat().st_size
+
+
+class PrefixStore:
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root, self.max_bytes = root, max_bytes
+        self._headers: dict[Path, tuple[tuple[int, int], dict]] = {}  # by (mtime_ns, size)
+
+    def path(self, prefix: str, shard: int, num_ranks: int) -> Path:
+        if not re.fullmatch(r"[0-9a-f]{32}", prefix):
+            raise CacheMiss(f"{prefix!r} is not a prefix id")
+        return self.root / f"{prefix}-{shard}-of-{num_ranks}{SUFFIX}"
+
+    def entries(self, model_key: str | None = None) -> list[Entry]:
+        """Every readable file here (of one model); unreadable ones are removed."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in self.root.iterdir():
+            if not _NAME.match(path.name):
+                continue
+            try:
+                header = self._header(path)
+            except FileNotFoundError:
+                continue
+            except (CorruptFile, OSError, KeyError, TypeError):
+                self.discard(path)
+                continue
+            if model_key is None or header["model_key"] == model_key:
+                found.append(Entry(path, header))
+        return found
+
+    def find(self, model_key: str, tokens: np.ndarray) -> list[Found]:
+        found = []
+        for entry in self.entries(model_key):
+            h = entry.header
+            try:
+                saved = prefix_file.read_array(entry.path, h, "tokens")
+            except (CorruptFile, OSError):
+                self.discard(entry.path)
+                continue
+            m = min(len(saved), len(tokens))
+            differ = np.flatnonzero(saved[:m] != tokens[:m])
+            common = int(differ[0]) if len(differ) else m
+            if common:
+                found.append(Found(h["prefix_id"], h["num_ranks"], h["shard"], len(saved), common,
+                                   h["floor"], tuple(h["state_positions"])))
+        return found
+
+    def save(self, header: dict, arrays: dict[str, np.ndarray], replaces: Entry | None = None) -> Path:
+        """Write one shard, drop the file it supersedes (`replaces`), then evict to the bound."""
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self.path(header["prefix_id"], header["shard"], header["num_ranks"])
+        prefix_file.write(path, header, arrays)
+        if replaces is not None and replaces.path != path:
+            replaces.path.unlink(missing_ok=True)
+        self.evict(header["shard"], keep=path)
+        return path
+
+    def load(self, prefix: str, shard: int, num_ranks: int,
+             model_key: str) -> tuple[dict, dict[str, np.ndarray]]:
+        path = self.path(prefix, shard, num_ranks)
+        try:
+            header, arrays = prefix_file.read(path)
+        except FileNotFoundError:
+            raise CacheMiss(f"prefix {prefix} shard {shard} of {num_ranks} is not in {self.root}") from None
+        except (CorruptFile, OSError) as e:
+            self.discard(path)
+            raise CacheMiss(f"removed an unreadable prefix file: {e}") from None
+        if header.get("model_key") != model_key or header.get("prefix_id") != prefix:
+            self.discard(path)
+            raise CacheMiss(f"removed {path.name}: it was saved for another model or prefix")
+        os.utime(path)  # last used, for eviction
+        return header, arrays
+
+    def evict(self, shard: int, keep: Path | None = None) -> None:
+        mine = sorted((e for e in self.entries() if e.shard == shard),
+                      key=lambda e: e.path.stat().st_mtime_ns)
+        total = sum(e.size for e in mine)
+        for e in mine:
+            if total <= self.max_bytes:
+                break
+            if e.path != keep:
+                total -= e.size
+                e.path.unlink(missing_ok=True)
+
+    def clear(self) -> int:
+        """Remove every file here; returns how many bytes they held."""
+        freed = 0
+        for entry in self.entries():
+            freed += entry.size
+            entry.path.unlink(missing_ok=True)
+        for stale in self.root.glob(f".writing-*{SUFFIX}") if self.root.is_dir() else ():
+            if time.time() - stale.stat().st_mtime > 3600:  # a writer that died
+                stale.unlink(missing_ok=True)
+        return freed
+
+    def discard(self, path: Path) -> None:
+        self._headers.pop(path, None)
+        path.unlink(missing_ok=True)
+
+    def _header(self, path: Path) -> dict:
+        stat = path.stat()
+        key = (stat.st_mtime_ns, stat.st_size)
+        cached = self._headers.get(path)
+        if cached is None or cached[0] != key:
+            header = prefix_file.read_header(path)
+            match = _NAME.match(path.name)
+            if (header["prefix_id"], header["shard"], header["num_ranks"]) != (
+                    match[1], int(match[2]), int(match[3])):
+                raise CorruptFile(f"{path.name}: the header names another shard")
+            cached = self._headers[path] = (key, header)
+        return cached[1]

@@ -1,0 +1,121 @@
+"""What a rank saves of a conversation, and how it takes it back: its KV shard and the linear layers'
+states, as the named arrays of one prefix file (cpchat/rank/prefix_file.py).
+
+Arrays:  tokens · positions (the tokens this rank owns) · layer{i}.keys/.values/.positions for each
+attention layer · state{p}.layer{i}.state/.halo/.halo_real for each linear layer at each position p
+its state was kept at (the whole ring's: every rank holds the same states).
+
+Any split of the positions over the ranks gives the same attention (masks use global positions and
+partial outputs merge exactly), so a ring of another size can take a saved prefix too: each of its
+ranks keeps the positions a prefill would have given it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from cpchat.rank.kvstore import KVShard
+from cpchat.rank.statestore import LayerState, StateStore
+
+Arrays = dict[str, mx.array | np.ndarray]
+_BITS = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}  # numpy has no bfloat16: such arrays travel as bits
+
+
+def capture(kv: KVShard, states: StateStore, tokens: np.ndarray, windows: Sequence[int | None],
+            before_forgetting: dict[int, tuple[mx.array, mx.array, np.ndarray]],
+            prompt_end: int) -> tuple[dict, Arrays]:
+    """This rank's share of the conversation, as arrays evaluated here (the MLX thread) and readable
+    anywhere. `before_forgetting`: sliding-window layers' keys as the prefill left them, before they
+    forgot the ones only earlier queries see, so that a shorter cut of the prefix can be loaded."""
+    total = len(tokens)
+    arrays: Arrays = {"tokens": tokens.astype(np.uint32), "positions": kv.positions.copy()}
+    dtypes: dict[str, str] = {}
+    floor = 0
+    for i in range(kv.num_layers):
+        if i in kv.linear:
+            continue
+        keys, values, positions = kv.layer(i)
+        if i in before_forgetting:
+            keys, values, positions = _join(before_forgetting[i], (keys, values, positions), prompt_end)
+        if windows[i]:
+            missing = np.setdiff1d(kv.positions, positions)
+            floor = max(floor, int(missing.max()) + windows[i] if len(missing) else 0)
+        arrays[f"layer{i}.positions"] = positions.copy()
+        if keys is not None:
+            for name, a in ((f"layer{i}.keys", keys), (f"layer{i}.values", values)):
+                arrays[name], dtypes[name] = _as_bits(a), str(a.dtype).removeprefix("mlx.core.")
+    kept = sorted(p for p in states.snapshots if 0 < p < total) + [total] if kv.linear else []
+    for p in kept:
+        layers = states.layers if p == total else states.snapshots[p]
+        for i, s in layers.items():
+            for name, a in ((f"state{p}.layer{i}.state", s.state), (f"state{p}.layer{i}.halo", s.halo)):
+                arrays[name], dtypes[name] = _as_bits(a), str(a.dtype).removeprefix("mlx.core.")
+            arrays[f"state{p}.layer{i}.halo_real"] = s.halo_real.copy()
+    mx.eval([a for a in arrays.values() if isinstance(a, mx.array)])
+    return {"dtypes": dtypes, "floor": floor, "state_positions": kept}, arrays
+
+
+def restore(shards: Sequence[tuple[dict, dict[str, np.ndarray]]], tokens: int, num_layers: int,
+            linear: frozenset[int], mine: Callable[[np.ndarray], np.ndarray]) -> tuple[KVShard, StateStore]:
+    """The KV shard and states of a saved prefix cut to `tokens`, keeping the positions `mine` selects
+    from each saved shard (all of one's own; a ring of another size: a prefill's share)."""
+    kv = KVShard(num_layers, linear)
+    layers = {}
+    for i in range(num_layers):
+        if i in linear:
+            continue
+        parts = []
+        for header, arrays in shards:
+            p = arrays[f"layer{i}.positions"]
+            keep = (p < tokens) & mine(p)
+            if keep.any():
+                parts.append((p[keep], _array(header, f"layer{i}.keys", arrays[f"layer{i}.keys"][:, :, keep]),
+                              _array(header, f"layer{i}.values", arrays[f"layer{i}.values"][:, :, keep])))
+        if parts:
+            positions = np.concatenate([p for p, _, _ in parts])
+            order = np.argsort(positions, kind="stable")
+            take = mx.array(order)
+            layers[i] = (mx.take(mx.concatenate([k for _, k, _ in parts], axis=2), take, axis=2),
+                         mx.take(mx.concatenate([v for _, _, v in parts], axis=2), take, axis=2),
+                         positions[order])
+    owned = np.concatenate([p[(p < tokens) & mine(p)] for p in (a["positions"] for _, a in shards)])
+    kv.fill(np.sort(owned), layers)
+    store = StateStore()
+    if linear:
+        header, arrays = shards[0]
+        at = f"state{tokens}.layer"
+        layers_at = {i: LayerState(_array(header, f"{at}{i}.state", arrays[f"{at}{i}.state"]),
+                                   _array(header, f"{at}{i}.halo", arrays[f"{at}{i}.halo"]),
+                                   arrays[f"{at}{i}.halo_real"].copy())
+                     for i in sorted(linear)}
+        store.layers = dict(layers_at)
+        store.snapshots[tokens] = dict(layers_at)
+    return kv, store
+
+
+def _join(before: tuple[mx.array, mx.array, np.ndarray], now: tuple[mx.array, mx.array, np.ndarray],
+          prompt_end: int) -> tuple[mx.array, mx.array, np.ndarray]:
+    """A window layer's keys before it forgot old ones, then those it stored from `prompt_end` on."""
+    k0, v0, p0 = before
+    k1, v1, p1 = now
+    later = np.flatnonzero(p1 >= prompt_end)
+    if not len(later):
+        return before
+    index = mx.array(later)
+    k1, v1 = mx.take(k1, index, axis=2), mx.take(v1, index, axis=2)
+    if k0 is None:
+        return k1, v1, p1[later]
+    return mx.concatenate([k0, k1], axis=2), mx.concatenate([v0, v1], axis=2), np.concatenate([p0, p1[later]])
+
+
+def _as_bits(a: mx.array) -> mx.array:
+    return a.view(_BITS[a.dtype.size]) if a.dtype == mx.bfloat16 else a
+
+
+def _array(header: dict, name: str, bits: np.ndarray) -> mx.array:
+    a = mx.array(np.ascontiguousarray(bits))
+    dtype = getattr(mx, header["dtypes"][name])
+    return a.view(dtype) if a.dtype != dtype else a
