@@ -7,6 +7,7 @@ rows per rank, KV held, the algorithm shown — never the words.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -494,6 +495,30 @@ async def test_transcript_resumes(make_app):
         assert again.chat.backend.session.last_choice.cached_tokens == 0  # nothing of it was held
 
 
+async def test_a_resumed_conversation_loads_its_saved_prefix(make_app):
+    """The ranks saved the conversation at the end of its turn; reopened (the ranks' memory emptied),
+    its next turn loads that from disk instead of re-reading it, and the Ring panel says so."""
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        app.chat.backend.session.save_min_tokens = 0
+        await send(pilot, "Remember Orion, the hunter of the winter sky: his belt of three stars, his "
+                          "two dogs, and the bull he faces across the river of stars.")
+    app.chat.store.flush()
+    again = make_app(resume=app.chat.store.path)
+    async with again.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert again.chat.backend.session.held == []
+        notes = again._notifications
+        await until(pilot, lambda: any("the ranks saved" in n.message for n in notes), what="the saved part")
+        await send(pilot, "And then?")
+        choice = again.chat.backend.session.last_choice
+        assert choice.cached_tokens > 32
+        ring = again.query_one(RingPanel)
+        assert ring.cache.startswith(f"cache: {choice.cached_tokens} tok loaded from disk in")
+        assert "loaded from disk" in again.query_one(StatusStrip).render().plain
+
+
 async def test_conversation_list_opens_renames_and_deletes(make_app, tmp_path):
     """Two conversations, then the palette's list: rename the first, delete the second, open the first."""
     app = make_app()
@@ -569,7 +594,8 @@ def test_print_config_and_startup_failure(capsys, monkeypatch):
     monkeypatch.setenv("CPCHAT_MAX_TOKENS", "77")
     assert main(["--print-config", "--ranks", "3"]) == 0
     out = capsys.readouterr().out
-    assert "ranks      = 3" in out and "flag --ranks" in out and "CPCHAT_MAX_TOKENS" in out
+    assert re.search(r"^ranks +=\s3 .*# flag --ranks$", out, re.M) and "CPCHAT_MAX_TOKENS" in out
+    assert re.search(r"^cache +=\sTrue .*# default$", out, re.M)
     assert main(["--model", "/no/such/model"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["cpchat: model path /no/such/model does not exist"]

@@ -44,6 +44,17 @@ class Prefill:
 
 
 @dataclass
+class CacheLoaded:
+    """The ranks loaded a saved prefix from their disks (before the prefill of the rest; the
+    `prefill` event says it too, as reused_tokens and cache "disk")."""
+
+    turn: int
+    tokens: int
+    ms: float
+    resharded: bool  # saved by a ring of another size, split anew among these ranks
+
+
+@dataclass
 class Token:
     turn: int
     id: int

@@ -15,6 +15,7 @@ from cpchat.client.cluster import Cluster
 from cpchat.client.documents import Document, read_document, render_user_turn
 from cpchat.client.events import (
     AlgorithmChoice,
+    CacheLoaded,
     Done,
     Prefill,
     Progress,
@@ -22,11 +23,11 @@ from cpchat.client.events import (
     Token,
 )
 from cpchat.client.generation import GenerationDone, GenerationRequest, LayerDone, PrefillDone, TokenOut
-from cpchat.client.prefixes import MIN_GAIN, PrefixGone, choose_prefix
+from cpchat.client.prefixes import MIN_GAIN, PrefixChoice, PrefixGone, choose_prefix
 from cpchat.core.heuristics import Measured, Workload, choose_algorithm, choose_decode
 from cpchat.errors import BadInput
 
-Event = Prefill | Progress | Token | Done
+Event = CacheLoaded | Prefill | Progress | Token | Done
 
 PROGRESS_INTERVAL_S = 0.25  # prefill progress at most 4 times a second (and once at its end)
 SAVE_MIN_TOKENS = 1024  # the ranks save a conversation on disk once it is this long (prefix cache)
@@ -142,16 +143,26 @@ class Session:
         """Whether the prompt leaves room for at least one answer token in the model's context."""
         return not self.context_limit or len(turn.tokens) < self.context_limit
 
-    def history_cost(self) -> tuple[int, float | None]:
-        """Tokens of the conversation so far, and seconds to prefill what the ranks do not hold."""
+    def history_cost(self) -> tuple[int, int, float | None]:
+        """Tokens of the conversation so far, how many of them the ranks saved on disk (when they do not
+        hold them), and seconds to prefill what they neither hold nor saved."""
         if self.raw:
             tokens = list(self.raw_history)
         else:
             chat = self._chat()
             tokens = list(self.tokenizer.apply_chat_template(chat)) if chat else []
         if not tokens:
-            return 0, None
-        return len(tokens), self._prefill_seconds(tokens, min(common_prefix(self.held, tokens), len(tokens)))
+            return 0, 0, None
+        held = min(common_prefix(self.held, tokens), len(tokens))
+        saved = self.saved_tokens(tokens) if held < len(tokens) - MIN_GAIN else 0
+        return len(tokens), saved, self._prefill_seconds(tokens, max(held, saved))
+
+    def saved_tokens(self, tokens: list[int]) -> int:
+        """How many of `tokens` the ranks could load from their disks."""
+        if not self.prefix_cache:
+            return 0
+        choice = choose_prefix(self.cluster.find_prefixes(tokens), len(tokens))
+        return choice.tokens if choice else 0
 
     def new_tokens(self, turn: Turn) -> int:
         """The prompt tokens the ranks do not hold yet: what its prefill computes."""
@@ -205,23 +216,23 @@ class Session:
 
     # ---- a turn
 
-    def _reuse_saved(self, full: list[int], keep: int) -> bool:
+    def _reuse_saved(self, full: list[int], keep: int) -> PrefixChoice | None:
         """Load the longest prefix of `full` the ranks saved on disk, if it beats the `keep` tokens the
-        ring holds; whether one was loaded. A prefix gone meanwhile leaves the ring empty."""
+        ring holds; the one loaded. A prefix gone meanwhile leaves the ring empty."""
         if len(full) - 1 - keep < MIN_GAIN:
-            return False
+            return None
         choice = choose_prefix(self.cluster.find_prefixes(full), len(full) - 1, keep)
         if choice is None:
-            return False
+            return None
         try:
             loaded = self.cluster.load_prefix(choice)
         except PrefixGone:
             self.cluster.reset(0)
             self.held, self.keep_floor, self.state_positions = [], 0, []
-            return False
+            return None
         self.held = full[: choice.tokens]
         self.keep_floor, self.state_positions = loaded.keep_floor, list(loaded.state_positions)
-        return True
+        return choice
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -282,9 +293,12 @@ class Session:
         t_start = time.perf_counter()
         keep = self._kept(full)
         cache = "memory" if keep else "none"
-        if self.prefix_cache and self._reuse_saved(full, keep):
-            keep, cache = self._kept(full), "disk"
+        continued = self.held and keep >= len(self.held) - MIN_GAIN  # the ring holds this conversation
+        loaded = self._reuse_saved(full, keep) if self.prefix_cache and not continued else None
         load_ms = round(1000 * (time.perf_counter() - t_start), 1)
+        if loaded is not None:
+            keep, cache = self._kept(full), "disk"
+            yield CacheLoaded(self.turn_index, keep, load_ms, loaded.resharded(self.cluster.size))
         new = full[keep:]
         choice = self.choose_algorithm(len(new), keep)
         self.last_choice = choice

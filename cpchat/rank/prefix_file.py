@@ -30,26 +30,33 @@ class CorruptFile(Exception):
 
 
 def write(path: Path, header: dict, arrays: dict[str, np.ndarray]) -> int:
-    """Write atomically, user-only (0600); returns the file's size."""
-    index, offset, digest = {}, 0, hashlib.sha256()
-    contiguous = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
-    for name, a in contiguous.items():
+    """Write atomically, user-only (0600); returns the file's size. Arrays are copied one at a time
+    (a shard's may be views into larger buffers), and the digest, of fixed length, filled in last."""
+    index, offset = {}, 0
+    for name, a in arrays.items():
         index[name] = {"dtype": a.dtype.str, "shape": list(a.shape), "offset": offset}
         offset += a.nbytes
-        digest.update(memoryview(a).cast("B"))
-    body = json.dumps({**header, "arrays": index, "length": offset, "sha256": digest.hexdigest()}).encode()
+
+    def body(sha256: str) -> bytes:
+        return json.dumps({**header, "arrays": index, "length": offset, "sha256": sha256}).encode()
+
+    digest, size = hashlib.sha256(), len(body("0" * 64))
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".writing-", suffix=path.suffix)  # mode 0600
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(_PREAMBLE.pack(MAGIC, VERSION, len(body)))
-            f.write(body)
-            for a in contiguous.values():
-                f.write(memoryview(a).cast("B"))
+            f.seek(_PREAMBLE.size + size)
+            for a in arrays.values():
+                data = memoryview(np.ascontiguousarray(a)).cast("B")
+                digest.update(data)
+                f.write(data)
+            f.seek(0)
+            f.write(_PREAMBLE.pack(MAGIC, VERSION, size))
+            f.write(body(digest.hexdigest()))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return _PREAMBLE.size + len(body) + offset
+    return _PREAMBLE.size + size + offset
 
 
 def read_header(path: Path) -> dict:

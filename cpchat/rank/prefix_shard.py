@@ -71,10 +71,16 @@ def restore(shards: Sequence[tuple[dict, dict[str, np.ndarray]]], tokens: int, n
         for header, arrays in shards:
             p = arrays[f"layer{i}.positions"]
             keep = (p < tokens) & mine(p)
-            if keep.any():
-                parts.append((p[keep], _array(header, f"layer{i}.keys", arrays[f"layer{i}.keys"][:, :, keep]),
-                              _array(header, f"layer{i}.values", arrays[f"layer{i}.values"][:, :, keep])))
-        if parts:
+            if keep.all():  # no copy but the one into MLX
+                keep = slice(None)
+            elif not keep.any():
+                continue
+            parts.append((p[keep], _array(header, f"layer{i}.keys", arrays[f"layer{i}.keys"][:, :, keep]),
+                          _array(header, f"layer{i}.values", arrays[f"layer{i}.values"][:, :, keep])))
+        if len(parts) == 1 and np.all(np.diff(parts[0][0]) > 0):
+            positions, keys, values = parts[0]
+            layers[i] = (keys, values, positions)
+        elif parts:
             positions = np.concatenate([p for p, _, _ in parts])
             order = np.argsort(positions, kind="stable")
             take = mx.array(order)

@@ -15,7 +15,7 @@ from textual.message import Message
 from cpchat import EXIT_BACKEND, EXIT_USAGE
 from cpchat.client.cluster import Cluster
 from cpchat.client.documents import Document
-from cpchat.client.events import Done, Prefill, Progress, RankStats, Token
+from cpchat.client.events import CacheLoaded, Done, Prefill, Progress, RankStats, Token
 from cpchat.client.frontend import Frontend
 from cpchat.client.session import Turn
 from cpchat.client.transcripts import Entry, TranscriptStore
@@ -148,14 +148,18 @@ class BackendJobs:
         assert session is not None
         store.add(entry)
         streamed = False
+        label = ""  # the prefill's, once a saved prefix was loaded
         try:
             for event in session.run(turn, past_context):
                 if isinstance(event, Token):
                     streamed = True
                     store.delta(event.text)
                     self.post(TokensArrived(event.text, 1))
+                elif isinstance(event, CacheLoaded):
+                    label = f"Loaded {event.tokens:,} cached tokens in {event.ms / 1000:.1f} s · prefill"
+                    self.post(WorkProgress("prefill", 0, len(turn.tokens) - event.tokens, label))
                 elif isinstance(event, Progress):
-                    self.post(WorkProgress("prefill", event.processed, event.total - event.cached))
+                    self.post(WorkProgress("prefill", event.processed, event.total - event.cached, label))
                 elif isinstance(event, Prefill):
                     self.post(PrefillDone(event, session.last_choice))
                 elif isinstance(event, Done):
@@ -193,7 +197,16 @@ class BackendJobs:
         """What re-reading an opened conversation will cost, said before the next turn pays it."""
         session = self.backend.session
         assert session is not None
-        tokens, seconds = session.history_cost()
+        try:
+            tokens, saved, seconds = session.history_cost()
+        except BackendError as e:
+            self.post(Notice(f"Opened {name}; the ranks did not answer: {e}", "error"))
+            return
         cost = f", about {human_duration(seconds)}" if seconds is not None and seconds >= 2 else ""
-        self.post(Notice(f"Opened {name} ({messages} messages, {tokens:,} tokens): the next "
-                         f"turn re-reads it on the ranks{cost}.", timeout=10))
+        if saved:
+            self.post(Notice(f"Opened {name} ({messages} messages, {tokens:,} tokens): the ranks saved "
+                             f"{saved:,} of them on disk; the next turn loads those and reads the rest"
+                             f"{cost}.", timeout=10))
+        else:
+            self.post(Notice(f"Opened {name} ({messages} messages, {tokens:,} tokens): the next "
+                             f"turn re-reads it on the ranks{cost}.", timeout=10))

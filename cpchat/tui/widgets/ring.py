@@ -8,9 +8,9 @@ from textual.containers import VerticalGroup
 from textual.reactive import reactive
 from textual.widgets import Static
 
-from cpchat.client.events import AlgorithmChoice, RankStats, RingStep
+from cpchat.client.events import AlgorithmChoice, Prefill, RankStats, RingStep
 from cpchat.core.algorithms import title
-from cpchat.tui.format import human_bytes
+from cpchat.tui.format import human_bytes, human_count
 from cpchat.tui.widgets.big_text import BigText
 from cpchat.tui.widgets.ring_chart import RingChart
 
@@ -32,6 +32,7 @@ class RingPanel(VerticalGroup):
     transport: reactive[str] = reactive("")
     choice: reactive[AlgorithmChoice | None] = reactive(None)
     linear: reactive[str] = reactive("")  # how the last prefill ran the linear-attention layers, if any
+    cache: reactive[str] = reactive("")  # where the last prefill's cached tokens came from, if any
     shown: reactive[str] = reactive("auto")  # the algorithm the panel names
 
     def __init__(self, **kwargs) -> None:
@@ -58,6 +59,9 @@ class RingPanel(VerticalGroup):
         self._refresh_text()
 
     def watch_linear(self) -> None:
+        self._refresh_text()
+
+    def watch_cache(self) -> None:
         self._refresh_text()
 
     def show_stats(self, stats: RankStats) -> None:
@@ -99,6 +103,18 @@ class RingPanel(VerticalGroup):
                 link = human_bytes(choice.link_bytes_per_s)
                 reason.append(f"link {link}/s · hop {choice.hop_latency_ms:.1f}"
                               f" · exch {choice.exchange_latency_ms:.1f} ms", "dim")
+        if self.cache:
+            reason.append(f"\n{self.cache}", "green")
         if self.linear:
             reason.append(f"\n{self.linear}", "italic")
         self.query_one("#ring-reason", Static).update(reason)
+
+
+def cache_words(prefill: Prefill) -> str:
+    """Where the prefill's cached tokens came from, for the panel ("" when none were)."""
+    if prefill.cache == "disk":
+        seconds = prefill.load_ms / 1000
+        return f"cache: {human_count(prefill.reused_tokens)} tok loaded from disk in {seconds:.1f} s"
+    if prefill.cache == "memory":
+        return f"cache: {human_count(prefill.reused_tokens)} tok held in memory"
+    return ""

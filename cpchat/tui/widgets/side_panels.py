@@ -10,7 +10,7 @@ from textual.containers import VerticalScroll
 from cpchat.client.events import RankStats
 from cpchat.tui.messages import BackendReady, PrefillDone
 from cpchat.tui.widgets.ranks import RanksPanel
-from cpchat.tui.widgets.ring import RingPanel
+from cpchat.tui.widgets.ring import RingPanel, cache_words
 from cpchat.tui.widgets.throughput import ThroughputPanel
 
 
@@ -45,9 +45,11 @@ class SidePanels(VerticalScroll):
         if message.choice is not None:
             self.ring.choice = message.choice
         self.ring.linear = message.prefill.linear_layers
+        self.ring.cache = cache_words(message.prefill)
         self.throughput.prefill = message.prefill
 
     def clear(self) -> None:
         """A new conversation: no algorithm chosen yet, no rates."""
         self.ring.choice = None
+        self.ring.cache = ""
         self.throughput.clear()

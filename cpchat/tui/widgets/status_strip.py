@@ -22,6 +22,7 @@ class StatusStrip(Widget):
     algorithm: reactive[str] = reactive("")
     ttft_ms: reactive[float | None] = reactive(None)
     decode_tps: reactive[float | None] = reactive(None)
+    cache: reactive[str] = reactive("")  # the Ring panel's words on the last prefill's cached tokens
 
     def on_mount(self) -> None:
         screen = self.screen
@@ -29,6 +30,7 @@ class StatusStrip(Widget):
                                    screen.query_one(ThroughputPanel))
         self.watch(ranks, "largest", self._ranks_changed)
         self.watch(ring, "shown", lambda name: setattr(self, "algorithm", name))
+        self.watch(ring, "cache", lambda words: setattr(self, "cache", words))
         self.watch(throughput, "ttft_ms", lambda v: setattr(self, "ttft_ms", v))
         self.watch(throughput, "decode_tps", lambda v: setattr(self, "decode_tps", v))
 
@@ -45,6 +47,8 @@ class StatusStrip(Widget):
             f"TTFT {ttft}",
             rate,
         ]
+        if "disk" in self.cache:
+            parts.append(self.cache.removeprefix("cache: "))
         text = Text(" · ".join(parts))
         text.append("  ctrl+b panels", style="dim")
         return text

@@ -1,0 +1,342 @@
+"""The prefix cache through real ranks: a session saves each rank's shard of the conversation on
+disk, a later session (the ranks' memory emptied, or new rank processes) loads the longest saved
+prefix and prefills only the rest, and answers as mlx-lm does over the whole prompt (tokens, and
+logprobs within 1e-3), for 1 to 4 ranks, every algorithm, a hybrid and a sliding-window model, a
+ring of another size, low-precision checkpoints, and turns after the reload. Files that are corrupt,
+of another model or raced for are never loaded wrongly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import (
+    done_event,
+    low_precision_noise,
+    next_turn,
+    prefill_event,
+    random_prompt,
+    raw_session,
+    reference_generate,
+)
+from test_architectures import VARIANTS
+from test_exactness import assert_same
+
+from cpchat.client.events import CacheLoaded
+from cpchat.client.session import load_tokenizer
+from cpchat.core.algorithms import PREFILL_ALGORITHMS
+from cpchat.dirs import prefix_dir
+from cpchat.rank import prefix_file
+from cpchat.rank.prefix_cache import CacheMiss, PrefixStore
+from cpchat.smallmodels import write_model
+
+MAX_TOKENS = 6
+CPCHAT = [sys.executable, "-m", "cpchat"]
+
+
+def mlx_lm_generate(path: Path, ids: list[int], max_tokens: int) -> list[tuple[int, float]]:
+    """mlx-lm's answer up to a stop token of cpchat's tokenizer (a session stops there, unshown)."""
+    stop = load_tokenizer(str(path)).eos_token_ids
+    answer = reference_generate(path, ids, max_tokens)
+    return next((answer[:i] for i, (t, _) in enumerate(answer) if t in stop), answer)
+
+
+def cached_session(cluster, path: Path, algorithm: str = "auto"):
+    session = raw_session(cluster, path, algorithm, MAX_TOKENS)
+    session.prefix_cache, session.save_min_tokens = True, 0
+    return session
+
+
+def ask(cluster, path: Path, ids: list[int], algorithm: str = "auto"):
+    """A new session (the ranks' memory emptied) on `ids`: (tokens with logprobs, events, session)."""
+    cluster.reset(0)
+    session = cached_session(cluster, path, algorithm)
+    got, events = next_turn(session, ids)
+    return got, events, session
+
+
+def document_and_questions(path: Path, seed: int, length: int = 70) -> tuple[list[int], list[int], list[int]]:
+    doc = random_prompt(path, length, seed)
+    first, second = random_prompt(path, 5, seed + 1), random_prompt(path, 6, seed + 2)
+    if second[0] == first[0]:
+        second = second[1:]
+    return doc, first, second
+
+
+def shard_files(ranks: int) -> list[Path]:
+    return sorted(prefix_dir().glob(f"*-of-{ranks}.kvp"))
+
+
+@pytest.fixture
+def empty_cache():
+    shutil.rmtree(prefix_dir(), ignore_errors=True)
+    yield prefix_dir()
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_a_new_session_loads_the_document_and_answers_as_mlx_lm(clusters, model_dir, ranks, empty_cache):
+    """Every algorithm prefills the rest after the load; a turn after the reload goes on from memory."""
+    path = model_dir("llama")
+    cluster = clusters.get(ranks, path)
+    for i, algorithm in enumerate(PREFILL_ALGORITHMS):
+        length = 60 + 2 * ranks + 1  # not a multiple of 2N
+        doc, first, second = document_and_questions(path, seed=100 * ranks + 10 * i, length=length)
+        got, events, _ = ask(cluster, path, doc + first, algorithm)
+        assert prefill_event(events).cache == "none"
+        assert_same(got, mlx_lm_generate(path, doc + first, MAX_TOKENS))
+
+        got, events, session = ask(cluster, path, doc + second, algorithm)
+        prefill = prefill_event(events)
+        assert (prefill.cache, prefill.reused_tokens, prefill.cached_tokens) == ("disk", len(doc), len(doc))
+        assert prefill.new_tokens == len(second) and prefill.load_ms > 0
+        assert [e.tokens for e in events if isinstance(e, CacheLoaded)] == [len(doc)]
+        history = doc + second
+        assert_same(got, mlx_lm_generate(path, history, MAX_TOKENS))
+
+        history += [t for t, _ in got]
+        more = random_prompt(path, 4, seed=7 + i)
+        got, events = next_turn(session, more)
+        assert prefill_event(events).cache == "memory"
+        assert_same(got, mlx_lm_generate(path, history + more, MAX_TOKENS))
+    assert len(shard_files(ranks)) >= ranks
+
+
+def test_the_whole_conversation_is_reused_as_resume_does(clusters, model_dir, empty_cache):
+    """A saved turn's end (prompt and answer) serves the next session's longer prompt in full; the
+    save of the longer conversation replaces the shorter one's file."""
+    path = model_dir("qwen3")
+    cluster = clusters.get(3, path)
+    doc, first, second = document_and_questions(path, seed=3)
+    got, _, _ = ask(cluster, path, doc + first)
+    before = shard_files(3)
+    history = doc + first + [t for t, _ in got] + second
+    got, events, _ = ask(cluster, path, history)
+    assert prefill_event(events).reused_tokens == len(history) - len(second) - 1  # the last answer token
+    # was never run through the model
+    assert_same(got, mlx_lm_generate(path, history, MAX_TOKENS))
+    after = shard_files(3)
+    assert len(after) == 3 and not set(before) & set(after)  # the longer save superseded the shorter
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_hybrid_model_reloads_its_linear_states(clusters, model_dir, ranks, empty_cache):
+    """Linear layers' states are saved where the ranks kept them (prompt end, turn end): a new session
+    that continues the conversation loads the state at the turn's end and is exact; a new question
+    on the same document finds no state at the document's end and prefills it all."""
+    path = model_dir("qwen3_5")
+    cluster = clusters.get(ranks, path)
+    doc, first, second = document_and_questions(path, seed=40 + ranks)
+    got, _, _ = ask(cluster, path, doc + first)
+    history = doc + first + [t for t, _ in got]
+    for prompt, reused in ((history + second, len(history) - 1), (doc + first + second, len(doc + first))):
+        got, events, session = ask(cluster, path, prompt)
+        assert prefill_event(events).reused_tokens == reused
+        assert_same(got, mlx_lm_generate(path, prompt, MAX_TOKENS))
+        more = random_prompt(path, 3, seed=reused)
+        after, _ = next_turn(session, more)  # on from the loaded state
+        assert_same(after, mlx_lm_generate(path, prompt + [t for t, _ in got] + more, MAX_TOKENS))
+    _, events, _ = ask(cluster, path, doc + second)
+    assert prefill_event(events).cache == "none"
+
+
+@pytest.fixture(scope="module")
+def sliding_model(tmp_path_factory):
+    arch, options = VARIANTS["mistral-sliding"]
+    return write_model(tmp_path_factory.mktemp("sliding") / "m", arch, **options)
+
+
+def test_a_sliding_window_model_reloads_keys_it_had_forgotten(clusters, sliding_model, empty_cache):
+    """The ranks forget keys outside the windows after the prompt, but save them first: a new question
+    on the same document reloads it (windows of 8, a document of 70 tokens) and is exact, then and on
+    the next turn."""
+    path = sliding_model
+    cluster = clusters.get(3, path)
+    doc, first, second = document_and_questions(path, seed=11)
+    ask(cluster, path, doc + first)
+    got, events, session = ask(cluster, path, doc + second)
+    assert prefill_event(events).reused_tokens == len(doc)
+    history = doc + second
+    assert_same(got, mlx_lm_generate(path, history, MAX_TOKENS))
+    history += [t for t, _ in got]
+    more = random_prompt(path, 9, seed=12)
+    got, _ = next_turn(session, more)
+    assert_same(got, mlx_lm_generate(path, history + more, MAX_TOKENS))
+
+
+@pytest.mark.parametrize("saved_by, loaded_by", [(2, 3), (4, 1)])
+def test_a_ring_of_another_size_reshards_from_the_saved_shards(clusters, model_dir, saved_by, loaded_by,
+                                                              empty_cache):
+    path = model_dir("mistral")
+    doc, first, second = document_and_questions(path, seed=20 + saved_by)
+    ask(clusters.get(saved_by, path), path, doc + first)
+    got, events, session = ask(clusters.get(loaded_by, path), path, doc + second)
+    assert prefill_event(events).reused_tokens == len(doc)
+    assert [e.resharded for e in events if isinstance(e, CacheLoaded)] == [True]
+    assert_same(got, mlx_lm_generate(path, doc + second, MAX_TOKENS))
+    assert sum(r.kv_tokens for r in done_event(events).ranks) == len(session.held)  # each token once
+
+
+@pytest.mark.parametrize("form", ["bfloat16", "q4g64"])
+def test_low_precision_checkpoints_reload_within_their_noise(clusters, checkpoint, form, empty_cache):
+    """Greedy tokens identical to a fresh prefill's, logprobs within 1.5x of mlx-lm's own noise."""
+    path = checkpoint(form)
+    cluster = clusters.get(2, path)
+    doc, first, second = document_and_questions(path, seed=31, length=90)
+    ask(cluster, path, doc + first)
+    loaded, events, _ = ask(cluster, path, doc + second)
+    assert prefill_event(events).cache == "disk"
+    cluster.reset(0)
+    fresh, _ = next_turn(raw_session(cluster, path, "auto", MAX_TOKENS), doc + second)
+    assert [t for t, _ in loaded] == [t for t, _ in fresh]
+    noise = low_precision_noise(path, doc + second, mlx_lm_generate(path, doc + second, MAX_TOKENS))
+    assert max(abs(a - b) for (_, a), (_, b) in zip(loaded, fresh, strict=True)) <= 1.5 * max(noise, 1e-6)
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "other version"])
+def test_a_damaged_file_is_removed_and_the_prompt_prefilled(clusters, model_dir, damage, empty_cache):
+    path = model_dir("llama")
+    cluster = clusters.get(2, path)
+    doc, first, second = document_and_questions(path, seed=50)
+    ask(cluster, path, doc + first)
+    victim = next(p for p in shard_files(2) if p.name.endswith("-1-of-2.kvp"))
+    data = bytearray(victim.read_bytes())
+    if damage == "flip a byte":
+        data[-5] ^= 0x40
+    elif damage == "truncate":
+        data = data[: len(data) * 2 // 3]
+    else:
+        data[8] += 1  # the format version
+    victim.write_bytes(bytes(data))
+    got, events, _ = ask(cluster, path, doc + second)
+    assert prefill_event(events).cache == "none"
+    assert_same(got, mlx_lm_generate(path, doc + second, MAX_TOKENS))
+    assert not victim.exists()
+
+
+def test_a_changed_model_file_invalidates_its_prefixes(clusters, model_dir, tmp_path, empty_cache):
+    path = Path(shutil.copytree(model_dir("llama"), tmp_path / "model"))
+    cluster = clusters.get(1, path)
+    doc, first, second = document_and_questions(path, seed=60)
+    ask(cluster, path, doc + first)
+    _, events, _ = ask(cluster, path, doc + second)
+    assert prefill_event(events).cache == "disk"
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # rewritten: a new modification time
+    cluster.load(str(path))
+    got, events, _ = ask(cluster, path, doc + second)
+    assert prefill_event(events).cache == "none"
+    assert_same(got, mlx_lm_generate(path, doc + second, MAX_TOKENS))
+
+
+def test_files_are_private_and_named_by_the_rank(tmp_path):
+    store = PrefixStore(tmp_path / "prefix", max_bytes=1 << 20)
+    header = {"prefix_id": "a" * 32, "model_key": "m", "model": "m", "num_ranks": 1, "shard": 0,
+              "tokens": 3, "floor": 0, "state_positions": [], "dtypes": {}, "segments": [[0, 3]]}
+    path = store.save(header, {"tokens": np.arange(3, dtype=np.uint32)})
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(store.root.stat().st_mode) == 0o700
+    for bad in ("../../etc/passwd", "A" * 32, "a" * 31):
+        with pytest.raises(CacheMiss, match="not a prefix id"):
+            store.load(bad, 0, 1, "m")
+    with pytest.raises(CacheMiss, match="another model"):
+        store.load("a" * 32, 0, 1, "another")
+    assert not path.exists()
+
+
+def test_the_least_recently_used_files_go_first(tmp_path):
+    store = PrefixStore(tmp_path, max_bytes=1 << 30)
+    paths = []
+    for i in range(5):
+        header = {"prefix_id": f"{i:032x}", "model_key": "m", "model": "m", "num_ranks": 2, "shard": 0,
+                  "tokens": 900, "floor": 0, "state_positions": [], "dtypes": {}, "segments": []}
+        paths.append(store.save(header, {"tokens": np.full(900, i, np.uint32)}))
+        os.utime(paths[-1], ns=(i * 10**9, i * 10**9))
+    store.load(f"{0:032x}", 0, 2, "m")  # used: now the most recent
+    other = store.save(header | {"prefix_id": "f" * 32, "shard": 1}, {"tokens": np.zeros(900, np.uint32)})
+    store.max_bytes = 3 * paths[0].stat().st_size  # the bound is per shard index: `other` does not count
+    store.evict(0)
+    assert [p.exists() for p in paths] == [True, False, False, True, True] and other.exists()
+
+
+def test_two_writers_of_one_prefix_leave_one_whole_file(tmp_path):
+    store = PrefixStore(tmp_path, max_bytes=1 << 30)
+    header = {"prefix_id": "b" * 32, "model_key": "m", "model": "m", "num_ranks": 1, "shard": 0,
+              "tokens": 1 << 20, "floor": 0, "state_positions": [], "dtypes": {}, "segments": []}
+    arrays = {"tokens": np.arange(1 << 20, dtype=np.uint32)}
+    writers = [threading.Thread(target=store.save, args=(header, arrays)) for _ in range(4)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    assert [p.name for p in tmp_path.iterdir()] == [f"{'b' * 32}-0-of-1.kvp"]
+    _, read = prefix_file.read(tmp_path / f"{'b' * 32}-0-of-1.kvp")
+    assert np.array_equal(read["tokens"], arrays["tokens"])
+
+
+def headless(args: list[str], cache: Path) -> list[dict]:
+    result = subprocess.run([*CPCHAT, "--headless", "--json", "--max-tokens", "8", "--cache-dir", str(cache),
+                             *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_separate_headless_runs_reuse_and_race_for_the_document(tmp_path):
+    """Two runs at once on one document (both save it: one whole file per shard), then a third run,
+    with new ranks, loads it and answers as a run without the cache does."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text((Path(__file__).parents[1] / "assets" / "demo-model" / "README.md").read_text()[:6000])
+    cache = tmp_path / "cache"
+    ask_about = ["--ranks", "2", "--doc", str(doc), "--prompt"]
+    command = [*CPCHAT, "--headless", "--json", "--max-tokens", "8", "--cache-dir", str(cache)]
+    racing = [subprocess.Popen([*command, *ask_about, "What is it?"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL) for _ in range(2)]
+    assert all(p.wait(timeout=300) == 0 for p in racing)
+    files = sorted(cache.iterdir())
+    assert [f.name[-11:] for f in files] == ["-0-of-2.kvp", "-1-of-2.kvp"]
+    for f in files:
+        prefix_file.read(f)  # whole: the checksum holds
+
+    second = headless([*ask_about, "Who trained it?"], cache)
+    prefill = next(e for e in second if e["event"] == "prefill")
+    assert prefill["cache"] == "disk" and prefill["reused_tokens"] > 1000
+    without = headless(["--no-cache", *ask_about, "Who trained it?"], tmp_path / "unused")
+    assert next(e for e in without if e["event"] == "prefill")["cache"] == "none"
+    tokens = [[e["id"] for e in run if e["event"] == "token"] for run in (second, without)]
+    assert tokens[0] == tokens[1]
+    assert not (tmp_path / "unused").exists()
+
+    def cache_command(action: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*CPCHAT, "cache", action, "--cache-dir", str(cache)], capture_output=True,
+                              text=True)
+
+    listed = cache_command("list")
+    assert listed.returncode == 0 and "0 of 2" in listed.stdout and "demo-model" in listed.stdout
+    cleared = cache_command("clear")
+    assert cleared.returncode == 0 and not list(cache.glob("*.kvp"))
+
+
+def test_cache_settings_come_from_flags_environment_and_config(tmp_path, monkeypatch):
+    from cpchat.cli import app_parser
+    from cpchat.client.settings import rank_flags, resolve_settings
+    from cpchat.errors import BadInput
+
+    config = tmp_path / "config.toml"
+    config.write_text('cache_max_gb = 2.5\ncache_dir = "~/kv"\n')
+    settings = resolve_settings(app_parser().parse_args([]), config)
+    assert rank_flags(settings) == ["--cache-max-gb", "2.5", "--cache-dir", str(Path("~/kv").expanduser())]
+    monkeypatch.setenv("CPCHAT_CACHE", "off")
+    assert rank_flags(resolve_settings(app_parser().parse_args([]), config)) == ["--no-cache"]
+    monkeypatch.setenv("CPCHAT_CACHE", "maybe")
+    with pytest.raises(BadInput, match="CPCHAT_CACHE: 'maybe' is not true or false"):
+        resolve_settings(app_parser().parse_args([]), config)
+    monkeypatch.delenv("CPCHAT_CACHE")
+    settings = resolve_settings(app_parser().parse_args(["--no-cache", "--cache-max-gb", "1"]), config)
+    assert not settings.cache and settings.sources["cache"] == "flag --cache"
