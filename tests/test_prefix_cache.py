@@ -30,8 +30,8 @@ from helpers import (
 from test_architectures import VARIANTS
 from test_exactness import assert_same
 
-from cpchat.client.events import CacheLoaded
-from cpchat.client.session import load_tokenizer
+from cpchat.client.events import CacheLoaded, Token
+from cpchat.client.session import Session, common_prefix, load_tokenizer
 from cpchat.core.algorithms import PREFILL_ALGORITHMS
 from cpchat.dirs import prefix_dir
 from cpchat.rank import prefix_file
@@ -55,12 +55,12 @@ def cached_session(cluster, path: Path, algorithm: str = "auto"):
     return session
 
 
-def ask(cluster, path: Path, ids: list[int], algorithm: str = "auto"):
+def ask(cluster, path: Path, ids: list[int], algorithm: str = "auto", documents_end: int = 0):
     """A new session (the ranks' memory emptied) on `ids`: (tokens with logprobs, events, session)."""
     cluster.reset(0)
     session = cached_session(cluster, path, algorithm)
-    got, events = next_turn(session, ids)
-    return got, events, session
+    events = list(session._generate(ids, documents_end=documents_end))
+    return [(e.id, e.logprob) for e in events if isinstance(e, Token)], events, session
 
 
 def document_and_questions(path: Path, seed: int, length: int = 70) -> tuple[list[int], list[int], list[int]]:
@@ -128,23 +128,37 @@ def test_the_whole_conversation_is_reused_as_resume_does(clusters, model_dir, em
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_hybrid_model_reloads_its_linear_states(clusters, model_dir, ranks, empty_cache):
-    """Linear layers' states are saved where the ranks kept them (prompt end, turn end): a new session
-    that continues the conversation loads the state at the turn's end and is exact; a new question
-    on the same document finds no state at the document's end and prefills it all."""
+    """Linear layers' states are saved where the ranks kept them: where the documents end (the prompt
+    prefilled in two passes), the prompt's end and the turn's end. A new question about the document,
+    a longer one, and the conversation continued each load the state they need, and are exact, then
+    and on a turn after."""
     path = model_dir("qwen3_5")
     cluster = clusters.get(ranks, path)
     doc, first, second = document_and_questions(path, seed=40 + ranks)
-    got, _, _ = ask(cluster, path, doc + first)
+    got, events, session = ask(cluster, path, doc + first, documents_end=len(doc))
+    assert_same(got, mlx_lm_generate(path, doc + first, MAX_TOKENS))
+    assert len(doc) in session.state_positions
     history = doc + first + [t for t, _ in got]
-    for prompt, reused in ((history + second, len(history) - 1), (doc + first + second, len(doc + first))):
+    for prompt, reused in ((doc + second, len(doc)), (doc + first + second, len(doc + first)),
+                           (history + second, len(history) - 1)):
         got, events, session = ask(cluster, path, prompt)
         assert prefill_event(events).reused_tokens == reused
         assert_same(got, mlx_lm_generate(path, prompt, MAX_TOKENS))
         more = random_prompt(path, 3, seed=reused)
         after, _ = next_turn(session, more)  # on from the loaded state
         assert_same(after, mlx_lm_generate(path, prompt + [t for t, _ in got] + more, MAX_TOKENS))
-    _, events, _ = ask(cluster, path, doc + second)
-    assert prefill_event(events).cache == "none"
+
+
+def test_a_turn_knows_where_its_documents_end(model_dir, tmp_path):
+    """What a prompt with the same documents and other words shares: the documents, in the template."""
+    path = model_dir("qwen3_5")
+    doc = tmp_path / "notes.txt"
+    doc.write_text("Orion has a belt of three stars. " * 20)
+    session = Session(None, load_tokenizer(str(path)))
+    one, other = session.prepare("Who is Orion?", [doc]), session.prepare("How many stars?", [doc])
+    shared = common_prefix(one.tokens, other.tokens)
+    assert 0 < one.documents_end <= shared and shared - one.documents_end <= 3
+    assert session.prepare("Who is Orion?").documents_end == 0
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,8 @@ def test_every_rpc_needs_the_token(secured, model_dir):
     rank = secured.ranks[0]
     ring = pb_grpc.RingStub(rank.channel)
     reconfigure = pb.ConfigureRequest(rank=0, addresses=[rank.address], ring_id="hijack")
+    find = pb.FindPrefixesRequest(tokens=[5])
+    load = pb.LoadPrefixRequest(prefix_id="0" * 32, num_ranks=1, tokens=1)
     for metadata in BAD_METADATA:
         calls = [
             lambda m=metadata: rank.control.Health(pb.HealthRequest(), timeout=5, metadata=m),
@@ -88,6 +90,8 @@ def test_every_rpc_needs_the_token(secured, model_dir):
                                                       metadata=m),
             lambda m=metadata: rank.control.Stats(pb.StatsRequest(once=True), timeout=5, metadata=m),
             lambda m=metadata: rank.control.Shutdown(pb.ShutdownRequest(), timeout=5, metadata=m),
+            lambda m=metadata: rank.control.FindPrefixes(find, timeout=5, metadata=m),
+            lambda m=metadata: rank.control.LoadPrefix(load, timeout=5, metadata=m),
             # The ring service too: a valid frame of this very ring, without the token.
             lambda m=metadata: ring.Link(iter([link_frame(secured)]), timeout=5, metadata=m),
         ]

@@ -495,7 +495,7 @@ async def test_transcript_resumes(make_app):
         assert again.chat.backend.session.last_choice.cached_tokens == 0  # nothing of it was held
 
 
-async def test_a_resumed_conversation_loads_its_saved_prefix(make_app):
+async def test_a_resumed_conversation_loads_its_saved_prefix(make_app, monkeypatch):
     """The ranks saved the conversation at the end of its turn; reopened (the ranks' memory emptied),
     its next turn loads that from disk instead of re-reading it, and the Ring panel says so."""
     app = make_app()
@@ -511,7 +511,12 @@ async def test_a_resumed_conversation_loads_its_saved_prefix(make_app):
         assert again.chat.backend.session.held == []
         notes = again._notifications
         await until(pilot, lambda: any("the ranks saved" in n.message for n in notes), what="the saved part")
+        bar, labels = again.query_one(WorkBar), []
+        show = bar.show
+        monkeypatch.setattr(bar, "show", lambda phase, label, *rest, **kw: (labels.append(label),
+                                                                           show(phase, label, *rest, **kw)))
         await send(pilot, "And then?")
+        assert any(re.fullmatch(r"Loaded \d+ cached tokens in \d+\.\d s · prefill", text) for text in labels)
         choice = again.chat.backend.session.last_choice
         assert choice.cached_tokens > 32
         ring = again.query_one(RingPanel)

@@ -41,6 +41,7 @@ TRANSPORTS = ("auto", "grpc", "shm", "mlx")
 DATA_PLANE_TIMEOUT_S = 60.0  # forming a group waits for every rank to connect
 HEALTH_INTERVAL_S = 1.0
 HEALTH_DEADLINE_S = 2.0
+SHUTDOWN_S = 60.0  # a local rank finishes writing its prefix files before it answers
 MESSAGE_SIZE = [("grpc.max_receive_message_length", 16 << 20)]
 
 
@@ -396,8 +397,8 @@ class Cluster:
         self._closed.set()
         for r in self.ranks:
             if r.local is not None:
-                with contextlib.suppress(grpc.RpcError):
-                    r.control.Shutdown(pb.ShutdownRequest(), timeout=1.0, metadata=self.metadata)
+                with contextlib.suppress(grpc.RpcError):  # it answers once its prefix files are written
+                    r.control.Shutdown(pb.ShutdownRequest(), timeout=SHUTDOWN_S, metadata=self.metadata)
         for r in self.ranks:
             if r.local is not None:
                 r.local.stop()
@@ -645,6 +646,7 @@ def _request(g: GenerationRequest) -> pb.GenerateRequest:
         algorithm=pb.Algorithm.Value(BY_NAME[g.algorithm].wire), max_tokens=g.max_tokens,
         sampling=pb.Sampling(temperature=g.temperature, top_p=g.top_p, seed=g.seed),
         stop_tokens=g.stop_tokens, decode=pb.Decode.Value(BY_NAME[g.decode].wire), save_prefix=g.save_prefix,
+        keep_state_at=g.keep_state_at,
     )
 
 

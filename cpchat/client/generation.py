@@ -19,6 +19,7 @@ class GenerationRequest:
     stop_tokens: list[int] = field(default_factory=list)  # generation ends after one of these
     request_id: str = ""  # empty: the cluster names it
     save_prefix: bool = False  # the ranks save what they hold after the answer (the prefix cache)
+    keep_state_at: int = 0  # linear layers also keep their state after this many of `tokens` (0: no)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ class Turn:
     docs: list[str]
     tokens: list[int]
     history: int  # messages before it: a turn is sent on the conversation it was made on
+    documents_end: int = 0  # of tokens, those a prompt with the same documents and other words shares
 
 
 class ContextOverflow(BadInput):
@@ -259,7 +260,11 @@ class Session:
         content = render_user_turn(documents, text)
         if not content.strip():
             raise BadInput("the prompt is empty")
-        return Turn(content, [d.name for d in documents], self._prompt_tokens(content), len(self.messages))
+        tokens = self._prompt_tokens(content)
+        documents_end = 0
+        if documents:
+            documents_end = common_prefix(tokens, self._prompt_tokens(render_user_turn(documents, "")))
+        return Turn(content, [d.name for d in documents], tokens, len(self.messages), documents_end)
 
     def send(self, text: str, docs: Sequence[Document | str | Path] = (),
              past_context: bool = False) -> Iterator[Event]:
@@ -279,13 +284,17 @@ class Session:
             max_tokens = min(max_tokens, limit - len(turn.tokens))
         self.messages.append(Message("user", turn.content, turn.docs))
         try:
-            yield from self._generate(turn.tokens, max_tokens)
+            yield from self._generate(turn.tokens, max_tokens, turn.documents_end)
         except BaseException:
             if self.messages and self.messages[-1].role == "user":
                 self.messages.pop()
             raise
 
-    def _generate(self, full: list[int], max_tokens: int | None = None) -> Iterator[Event]:
+    def _generate(self, full: list[int], max_tokens: int | None = None,
+                  documents_end: int = 0) -> Iterator[Event]:
+        """Prefill what the ranks neither hold nor load from disk, and generate. With the prefix cache,
+        a model with linear layers also keeps its state where the documents end (`documents_end`), so that
+        another question about them can go on from there."""
         vocab = self.cluster.model.vocab_size
         bad = [t for t in full if not 0 <= t < vocab]
         if bad:
@@ -303,6 +312,7 @@ class Session:
         choice = self.choose_algorithm(len(new), keep)
         self.last_choice = choice
         seed = self.sampling.seed if self.sampling.seed is not None else random.getrandbits(32)
+        linear = self.cluster.model.state_layers  # their states cannot be cut back: keep one at documents_end
         request = GenerationRequest(
             tokens=new, keep_tokens=keep,
             max_tokens=self.sampling.max_tokens if max_tokens is None else max_tokens,
@@ -310,6 +320,7 @@ class Session:
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed,
             stop_tokens=sorted(self.tokenizer.eos_token_ids),
             save_prefix=self.prefix_cache and len(full) >= self.save_min_tokens,
+            keep_state_at=max(documents_end - keep, 0) if self.prefix_cache and linear else 0,
         )
         self._cancel.clear()
         turn = self.turn_index

@@ -145,7 +145,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens", "decode", "save_prefix")
+    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens", "decode", "save_prefix", "keep_state_at")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class GenerateRequest(_message.Message):
     STOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     SAVE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    KEEP_STATE_AT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     keep_tokens: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -164,7 +165,8 @@ class GenerateRequest(_message.Message):
     stop_tokens: _containers.RepeatedScalarFieldContainer[int]
     decode: Decode
     save_prefix: bool
-    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[Decode, str]] = ..., save_prefix: _Optional[bool] = ...) -> None: ...
+    keep_state_at: int
+    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[Decode, str]] = ..., save_prefix: _Optional[bool] = ..., keep_state_at: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("prefill", "token", "done", "progress")

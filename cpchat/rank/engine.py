@@ -304,9 +304,10 @@ class Engine:
                 "their transforms all-gathered and folded in order; convolution halos exchanged")
 
     def _prefill(
-        self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, on_layer
+        self, req: pb.GenerateRequest, tokens: list[int], ring: Ring, abort: threading.Event, on_layer,
+        request_id: str = "",
     ) -> mx.array | None:
-        tokens, n, start = list(req.tokens), ring.size, self.total_tokens
+        n, start = ring.size, self.total_tokens
         layout = head_tail_layout(len(tokens), n, ring.rank)
         local = layout.positions()
         real = np.array(layout.real_mask())
@@ -314,7 +315,7 @@ class Engine:
         positions = start + np.array(local, dtype=np.int64)
         self.kv.begin_append(positions[real])
         ring_pass = RingPass(
-            request_id=req.request_id,
+            request_id=request_id or req.request_id,
             algorithm=PREFILL[req.algorithm].name,
             ring=ring,
             kv=self.kv,
@@ -414,18 +415,26 @@ class Engine:
                 pb.GenerateEvent(progress=pb.LayerProgress(layer=layer + 1, num_layers=self.info.num_layers))
             )
 
+        tokens, kept = list(req.tokens), {start}
         try:
             t0 = time.perf_counter()
-            self.states.snapshot(start, keep={start})
-            logits = self._prefill(req, ring, abort, on_layer)
-            prompt_end = start + len(req.tokens)
-            self.states.snapshot(prompt_end, keep={start})
+            self.states.snapshot(start, keep=kept)
+            if self.info.linear and 0 < req.keep_state_at < len(tokens):  # a first pass up to there
+                cut = int(req.keep_state_at)
+                self._prefill(req, tokens[:cut], ring, abort, on_layer, request_id=f"{req.request_id}#s")
+                kept.add(start + cut)
+                self.states.snapshot(start + cut, keep=kept)
+                tokens = tokens[cut:]
+                on_layer = None  # the first pass, the long one, showed the progress
+            logits = self._prefill(req, tokens, ring, abort, on_layer)
+            prompt_end = self.total_tokens
+            self.states.snapshot(prompt_end, keep=kept)
             before_forgetting = {i: self.kv.layer(i) for i, w in enumerate(self.windows)
                                  if w and req.save_prefix and self.cache is not None}
             if self.slides:
                 self.keep_floor = start  # a roll back still needs the window before `start`
                 self._forget_outside_windows(prompt_end, rollback_to=start)
-            source = owner_of(len(req.tokens) - 1, len(req.tokens), ring.size)
+            source = owner_of(len(tokens) - 1, len(tokens), ring.size)
             token, logprob = self._agree(req, ring, abort, source, 0, logits)
             combine_ms = sum(t.wait_ms + t.compute_ms for t in self.last_timings  # what the ring added
                              if t.layer in self.info.linear and t.step != linear_layers.RUN_STEP)
@@ -452,6 +461,7 @@ class Engine:
             raise
         finally:
             ring.mailbox.forget(req.request_id)
+            ring.mailbox.forget(f"{req.request_id}#s")
 
     # ---- the prefix cache
 

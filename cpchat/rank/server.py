@@ -8,11 +8,12 @@ import math
 import os
 import queue
 import resource
+import signal
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 
 import grpc
@@ -393,8 +394,8 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def Generate(self, request, context):
         try:
-            if len(request.request_id) > MAX_ID:
-                raise BadRequest(f"request_id longer than {MAX_ID} characters")
+            if len(request.request_id) > MAX_ID - 2:  # a first pass sends frames as ID#s
+                raise BadRequest(f"request_id longer than {MAX_ID - 2} characters")
             self.s.engine.validate(request)  # a malformed request never takes the rank
             abort = self.s.begin(request.request_id)
         except BadRequest as e:
@@ -587,7 +588,9 @@ def serve(
     server.start()
     print(json.dumps({"event": "listening", "address": f"{host}:{bound}", "pid": os.getpid()}), flush=True)
     if parent_pid:
-        threading.Thread(target=_watch_parent, args=(parent_pid, stop), daemon=True).start()
+        args = (parent_pid, stop, state.engine.flush)
+        threading.Thread(target=_watch_parent, args=args, daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a clean stop: the prefix files being written end
     try:
         while not stop.wait(0.5):
             pass
@@ -595,13 +598,15 @@ def serve(
         pass
     state.health.enter_graceful_shutdown()  # NOT_SERVING for the grace period, to balancers
     server.stop(grace=0.5).wait()
+    state.engine.flush()
     state.shm.close()
 
 
-def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
+def _watch_parent(parent_pid: int, stop: threading.Event, flush: Callable[[], None]) -> None:
     while not stop.is_set():
         if os.getppid() != parent_pid:
             with contextlib.suppress(OSError):  # stderr may have gone with the parent (an ssh session)
                 sys.stderr.write("cpchat rank: front end is gone, exiting\n")
+            flush()  # the prefix files being written are finished (a generation under way is not)
             os._exit(0)
         time.sleep(0.5)
