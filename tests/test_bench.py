@@ -108,3 +108,38 @@ def test_bench_compares_algorithms(tmp_path):
     for heading in ("pass-KV", "pass-Q", "all-gather", "Ulysses", "auto gap", "exchange ms/token",
                     "ring ms/token", "from \\ to"):
         assert heading in table
+
+
+def test_bench_prefix_cache(tmp_path):
+    """--prefix-cache on the demo model at a tiny context: a second session on new ranks loads the first
+    one's prefix from disk, on one rank and on two, and the report says so."""
+    out = tmp_path / "prefix"
+    result = subprocess.run(
+        [sys.executable, "-m", "cpchat", "bench", "--prefix-cache", "--contexts", "600", "--ranks", "1,2",
+         "--decode", "4", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads((out / "prefix-cache.json").read_text())
+    assert [(c["ranks"], c["context"]) for c in data["cells"]] == [(1, 600), (2, 600)]
+    for cell in data["cells"]:
+        (trial,) = cell["trials"]
+        second = trial["second"]
+        assert second["cache"] == "disk" and second["load_ms"] > 0
+        assert 600 <= second["reused_tokens"] < second["prompt_tokens"]  # the document, not the question
+        assert second["reused_tokens"] + second["new_tokens"] == second["prompt_tokens"]
+        assert trial["save_on"]["cache"] == trial["save_off"]["cache"] == "none"  # fresh ranks, empty disk
+        assert trial["save_on"]["ttft_ms"] > 0 and trial["save_off"]["wall_ms"] > 0
+        # float32 K and V of 6 layers x 6 heads x 32 per token, each rank its share of the positions
+        per_token = 6 * 2 * 6 * 32 * 4
+        assert len(trial["disk_bytes"]) == cell["ranks"]
+        assert all(b >= 600 * per_token // cell["ranks"] * 0.9 for b in trial["disk_bytes"])
+        assert 0 < cell["ttft_share"] < 1
+        assert trial["save_on"]["tail_ms"] >= 0 and trial["write_wait_ms"] >= 0
+    table = (out / "prefix-cache.md").read_text()
+    assert "Command: `cpchat bench --prefix-cache --contexts 600 " in table
+    assert "| demo-model | 1 | 600 | " in table and "| demo-model | 2 | 600 | " in table
+    assert " | disk | " in table and "second / first" in table
+    assert (out / "prefix-cache.png").stat().st_size > 0

@@ -65,3 +65,23 @@ def write_ratio_chart(path: Path, groups: list[str], bars: dict[str, list[float 
     ax.legend(handles=[Patch(color=f"C{k}", label=label) for k, label in enumerate(bars)])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def write_bar_chart(path: Path, groups: list[str], bars: dict[str, list[float]], ylabel: str) -> None:
+    """Grouped bars, each labelled with its value: one colour per series (its label -> a value per group)."""
+    if (plt := pyplot()) is None:
+        return
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(groups) + 2), 4))
+    width = 0.8 / max(len(bars), 1)
+    for k, (label, values) in enumerate(bars.items()):
+        drawn = ax.bar([i + (k - (len(bars) - 1) / 2) * width for i in range(len(groups))], values, width,
+                       color=f"C{k}", label=label)
+        ax.bar_label(drawn, labels=[f"{v:.3g}" for v in values], fontsize=7)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1.25 * max((v for values in bars.values() for v in values), default=1.0))
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

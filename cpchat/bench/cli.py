@@ -1,6 +1,7 @@
 """`cpchat bench`'s command line: its flags, and which comparison they run. Generation over growing
 contexts for N ranks next to mlx-lm and the ring transport next to mx.distributed (compare_mlx_lm.py),
-the prefill algorithms side by side (--algorithms: compare_algorithms.py), or partial_attention next to
+the prefill algorithms side by side (--algorithms: compare_algorithms.py), a second session's TTFT with
+the first one's prefix loaded from disk (--prefix-cache: prefix_cache.py), or partial_attention next to
 the fused kernel (--attention: attention.py); each writes a Markdown table, the JSON and a chart.
 """
 
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from cpchat import blas
-from cpchat.bench import compare_algorithms, compare_mlx_lm
+from cpchat.bench import compare_algorithms, compare_mlx_lm, prefix_cache
 from cpchat.bench.models import ARCHS
 from cpchat.client.cluster import TRANSPORTS
 from cpchat.client.launcher import rank_environment
@@ -28,11 +29,17 @@ Every figure is a ratio or a rate measured in the same run, on the same model
 and prompt, so a noisy machine shifts both sides alike.
 """  # --help's text
 
+# Defaults that depend on the mode: the prefix cache pays off on long documents, and each of its
+# repeats is three sessions on fresh ranks.
+DEFAULTS = {"contexts": "1024,2048,4096,8192,16384", "ranks": "1,2,4", "repeats": 3}
+PREFIX_CACHE_DEFAULTS = {"contexts": "8192,32768", "ranks": "2,4", "repeats": 1}
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cpchat bench", description=DESCRIPTION)
     p.add_argument("--quick", action="store_true", help="a small preset that finishes in about two minutes")
     p.add_argument("--model", help="mlx-lm model directory, GGUF file, ollama:NAME or smollm2 (default: a "
-                                    "random llama of --hidden/--layers); a real model is prompted with prose")
+                                    "random llama of --hidden/--layers; with --prefix-cache the demo model); "
+                                    "a real model is prompted with prose")
     p.add_argument("--arch", default="llama", choices=ARCHS,
                    help="the random model's family: llama, or a hybrid with linear-attention layers "
                         "(qwen3_5: Gated DeltaNet, nemotron_h: Mamba-2; one full-attention layer in four)")
@@ -44,11 +51,15 @@ def parser() -> argparse.ArgumentParser:
                         "--algorithms a comma list, one model each (e.g. 4,16 for GQA and MHA)")
     p.add_argument("--form", default="float32",
                    help="convert the model with mlx_lm.convert: bfloat16, float16, q4g64 (bits, group size)")
-    p.add_argument("--contexts", default="1024,2048,4096,8192,16384", help="comma-separated prompt lengths")
-    p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
+    p.add_argument("--contexts", help=f"comma-separated prompt lengths (default {DEFAULTS['contexts']}; "
+                                      f"with --prefix-cache {PREFIX_CACHE_DEFAULTS['contexts']})")
+    p.add_argument("--ranks", help=f"comma-separated rank counts (default {DEFAULTS['ranks']}; with "
+                                   f"--prefix-cache {PREFIX_CACHE_DEFAULTS['ranks']})")
     p.add_argument("--decode", type=int, default=16, help="tokens to generate per run")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="runs of each measurement: TTFT keeps the best, the transport rows the median")
+    p.add_argument("--repeats", type=int,
+                   help=f"runs of each measurement: TTFT keeps the best, the transport rows the median "
+                        f"(default {DEFAULTS['repeats']}; with --prefix-cache "
+                        f"{PREFIX_CACHE_DEFAULTS['repeats']})")
     p.add_argument("--algorithm", default="pass_kv", choices=list(ALGORITHMS))
     p.add_argument("--algorithms", metavar="LIST",
                    help="compare prefill algorithms instead of mlx-lm: a comma list of "
@@ -71,8 +82,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-overlap", action="store_true", help="skip the extra pass-KV prefill that measures overlap"
     )
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="time a second session on new ranks that loads the first one's saved prefix from "
+                        "disk, against the first; the save's cost on the first turn; disk bytes per rank "
+                        "(prefix-cache.md)")
     out = REPO_ASSETS / "bench" if REPO_ASSETS.is_dir() else Path("cpchat-bench")  # a checkout, or here
-    p.add_argument("--out", default=str(out), help="where results.md/.json/.png go")
+    p.add_argument("--out", default=str(out),
+                   help="where results.md/.json/.png go (prefix-cache.* with --prefix-cache)")
     p.add_argument(
         "--attention",
         metavar="LENGTHS",
@@ -83,6 +99,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    for name, value in (PREFIX_CACHE_DEFAULTS if args.prefix_cache else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.attention:
         return attention_only([int(n) for n in args.attention.split(",")])
     try:
@@ -93,11 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.hidden, args.layers, args.contexts, args.ranks = 256, 4, "512,1024", "1,2"
         args.repeats, args.decode, args.transport = 1, 8, "1,16"
-    if args.algorithms:
+    if args.algorithms or args.prefix_cache:
         if len(blas_modes) > 1:
-            print("cpchat bench: --algorithms runs one BLAS; compare BLAS without it", file=sys.stderr)
+            print("cpchat bench: --algorithms and --prefix-cache run one BLAS; compare BLAS without them",
+                  file=sys.stderr)
             return 2
         args.blas_choice = blas_modes[0]
+        if args.prefix_cache:
+            return prefix_cache.run_prefix_cache(args, command_line(argv))
         return compare_algorithms.run_comparison(args, command_line(argv))
     return compare_mlx_lm.run_comparison(args, blas_modes)
 
