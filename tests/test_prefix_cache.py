@@ -71,8 +71,10 @@ def document_and_questions(path: Path, seed: int, length: int = 70) -> tuple[lis
     return doc, first, second
 
 
-def shard_files(ranks: int) -> list[Path]:
-    return sorted(prefix_dir().glob(f"*-of-{ranks}.kvp"))
+def shard_files(cluster) -> list[Path]:
+    """The files of this ring's size, once its ranks finished writing (FindPrefixes waits for that)."""
+    cluster.find_prefixes([0])
+    return sorted(prefix_dir().glob(f"*-of-{cluster.size}.kvp"))
 
 
 @pytest.fixture
@@ -106,7 +108,7 @@ def test_a_new_session_loads_the_document_and_answers_as_mlx_lm(clusters, model_
         got, events = next_turn(session, more)
         assert prefill_event(events).cache == "memory"
         assert_same(got, mlx_lm_generate(path, history + more, MAX_TOKENS))
-    assert len(shard_files(ranks)) >= ranks
+    assert len(shard_files(cluster)) >= ranks
 
 
 def test_the_whole_conversation_is_reused_as_resume_does(clusters, model_dir, empty_cache):
@@ -116,13 +118,13 @@ def test_the_whole_conversation_is_reused_as_resume_does(clusters, model_dir, em
     cluster = clusters.get(3, path)
     doc, first, second = document_and_questions(path, seed=3)
     got, _, _ = ask(cluster, path, doc + first)
-    before = shard_files(3)
+    before = shard_files(cluster)
     history = doc + first + [t for t, _ in got] + second
     got, events, _ = ask(cluster, path, history)
     assert prefill_event(events).reused_tokens == len(history) - len(second) - 1  # the last answer token
     # was never run through the model
     assert_same(got, mlx_lm_generate(path, history, MAX_TOKENS))
-    after = shard_files(3)
+    after = shard_files(cluster)
     assert len(after) == 3 and not set(before) & set(after)  # the longer save superseded the shorter
 
 
@@ -220,7 +222,7 @@ def test_a_damaged_file_is_removed_and_the_prompt_prefilled(clusters, model_dir,
     cluster = clusters.get(2, path)
     doc, first, second = document_and_questions(path, seed=50)
     ask(cluster, path, doc + first)
-    victim = next(p for p in shard_files(2) if p.name.endswith("-1-of-2.kvp"))
+    victim = next(p for p in shard_files(cluster) if p.name.endswith("-1-of-2.kvp"))
     data = bytearray(victim.read_bytes())
     if damage == "flip a byte":
         data[-5] ^= 0x40
