@@ -216,7 +216,7 @@ def test_low_precision_checkpoints_reload_within_their_noise(clusters, checkpoin
     assert max(abs(a - b) for (_, a), (_, b) in zip(loaded, fresh, strict=True)) <= 1.5 * max(noise, 1e-6)
 
 
-@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "other version"])
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "other version", "whole but wrong"])
 def test_a_damaged_file_is_removed_and_the_prompt_prefilled(clusters, model_dir, damage, empty_cache):
     path = model_dir("llama")
     cluster = clusters.get(2, path)
@@ -224,7 +224,12 @@ def test_a_damaged_file_is_removed_and_the_prompt_prefilled(clusters, model_dir,
     ask(cluster, path, doc + first)
     victim = next(p for p in shard_files(cluster) if p.name.endswith("-1-of-2.kvp"))
     data = bytearray(victim.read_bytes())
-    if damage == "flip a byte":
+    if damage == "whole but wrong":  # its digest holds, but an array is missing
+        header, arrays = prefix_file.read(victim)
+        del arrays["layer0.keys"]
+        prefix_file.write(victim, header, arrays)
+        data = bytearray(victim.read_bytes())
+    elif damage == "flip a byte":
         data[-5] ^= 0x40
     elif damage == "truncate":
         data = data[: len(data) * 2 // 3]

@@ -299,6 +299,7 @@ class Session:
         bad = [t for t in full if not 0 <= t < vocab]
         if bad:
             raise BadInput(f"token id {bad[0]} is outside the model's vocabulary (size {vocab})")
+        self._cancel.clear()
         t_start = time.perf_counter()
         keep = self._kept(full)
         cache = "memory" if keep else "none"
@@ -322,7 +323,6 @@ class Session:
             save_prefix=self.prefix_cache and len(full) >= self.save_min_tokens,
             keep_state_at=max(documents_end - keep, 0) if self.prefix_cache and linear else 0,
         )
-        self._cancel.clear()
         turn = self.turn_index
         detok = self.tokenizer.detokenizer
         detok.reset()

@@ -520,7 +520,12 @@ class Engine:
             return np.minimum(chunk, 2 * ring.size - 1 - chunk) == ring.rank
 
         header = shards[0][0]
-        self.kv, self.states = restore(shards, tokens, self.info.num_layers, self.info.linear, mine)
+        try:
+            self.kv, self.states = restore(shards, tokens, self.info.num_layers, self.info.linear, mine)
+        except (KeyError, ValueError, IndexError) as e:  # whole files (their digests hold) that do not fit
+            for s in [ring.rank] if same else range(num_ranks):
+                self.cache.discard(self.cache.path(prefix, s, num_ranks))
+            raise CacheMiss(f"removed prefix {prefix}: its arrays do not fit this model ({e})") from None
         self.total_tokens = tokens
         self.tokens = shards[0][1]["tokens"][:tokens].copy()
         self.segments = [tuple(s) for s in header["segments"] if s[0] < tokens] if same else [(0, tokens)]

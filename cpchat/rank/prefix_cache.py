@@ -28,6 +28,8 @@ from cpchat.rank.prefix_file import CorruptFile
 
 SUFFIX = ".kvp"
 _NAME = re.compile(r"^([0-9a-f]{32})-(\d+)-of-(\d+)\.kvp$")
+FIELDS = ("prefix_id", "model_key", "model", "num_ranks", "shard", "tokens", "segments", "floor",
+          "state_positions", "dtypes")  # every header has them (cpchat/rank/engine.py writes them)
 
 
 class CacheMiss(Exception):
@@ -114,7 +116,7 @@ class PrefixStore:
                 header = self._header(path)
             except FileNotFoundError:
                 continue
-            except (CorruptFile, OSError, KeyError, TypeError):
+            except (CorruptFile, OSError):
                 self.discard(path)
                 continue
             if model_key is None or header["model_key"] == model_key:
@@ -196,6 +198,9 @@ class PrefixStore:
         cached = self._headers.get(path)
         if cached is None or cached[0] != key:
             header = prefix_file.read_header(path)
+            missing = [f for f in FIELDS if f not in header]
+            if missing:
+                raise CorruptFile(f"{path.name}: the header lacks {', '.join(missing)}")
             match = _NAME.match(path.name)
             if (header["prefix_id"], header["shard"], header["num_ranks"]) != (
                     match[1], int(match[2]), int(match[3])):
