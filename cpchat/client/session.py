@@ -155,23 +155,33 @@ class Session:
         if not tokens:
             return 0, 0, None
         held = min(common_prefix(self.held, tokens), len(tokens))
-        saved = self.saved_tokens(tokens) if held < len(tokens) - MIN_GAIN else 0
+        saved = self.saved_tokens(tokens, len(tokens), held)
         return len(tokens), saved, self._prefill_seconds(tokens, max(held, saved))
 
-    def saved_tokens(self, tokens: list[int]) -> int:
-        """How many of `tokens` the ranks could load from their disks."""
-        if not self.prefix_cache:
+    def saved_tokens(self, tokens: list[int], limit: int, keep: int) -> int:
+        """How many of `tokens` (at most `limit`) the ranks would load from their disks, the ring
+        holding `keep` of them (0: none worth loading)."""
+        if not self._may_load(tokens, keep):
             return 0
-        choice = choose_prefix(self.cluster.find_prefixes(tokens), len(tokens))
+        choice = choose_prefix(self.cluster.find_prefixes(tokens), limit, keep)
         return choice.tokens if choice else 0
+
+    def _may_load(self, tokens: list[int], keep: int) -> bool:
+        """Whether a saved prefix could beat what the ring holds: not when the ring holds this very
+        conversation (a later turn's), nor when too little is left to prefill."""
+        continued = bool(self.held) and keep >= len(self.held) - MIN_GAIN
+        return self.prefix_cache and not continued and len(tokens) - 1 - keep >= MIN_GAIN
 
     def new_tokens(self, turn: Turn) -> int:
         """The prompt tokens the ranks do not hold yet: what its prefill computes."""
         return len(turn.tokens) - self._kept(turn.tokens)
 
     def prefill_estimate_s(self, turn: Turn) -> float | None:
-        """Seconds the turn's prefill should take, from the ranks' calibration (None: not measured)."""
-        return self._prefill_seconds(turn.tokens, self._kept(turn.tokens))
+        """Seconds the turn's prefill should take, from the ranks' calibration (None: not measured), with
+        what they hold or have saved on disk. Blocks on the ranks: not for the event loop."""
+        keep = self._kept(turn.tokens)
+        keep = max(keep, self.saved_tokens(turn.tokens, len(turn.tokens) - 1, keep))
+        return self._prefill_seconds(turn.tokens, keep)
 
     def _prefill_seconds(self, tokens: list[int], keep: int) -> float | None:
         cost = self.cluster.prefill_cost
@@ -220,7 +230,7 @@ class Session:
     def _reuse_saved(self, full: list[int], keep: int) -> PrefixChoice | None:
         """Load the longest prefix of `full` the ranks saved on disk, if it beats the `keep` tokens the
         ring holds; the one loaded. A prefix gone meanwhile leaves the ring empty."""
-        if len(full) - 1 - keep < MIN_GAIN:
+        if not self._may_load(full, keep):
             return None
         choice = choose_prefix(self.cluster.find_prefixes(full), len(full) - 1, keep)
         if choice is None:
@@ -303,8 +313,7 @@ class Session:
         t_start = time.perf_counter()
         keep = self._kept(full)
         cache = "memory" if keep else "none"
-        continued = self.held and keep >= len(self.held) - MIN_GAIN  # the ring holds this conversation
-        loaded = self._reuse_saved(full, keep) if self.prefix_cache and not continued else None
+        loaded = self._reuse_saved(full, keep)
         load_ms = round(1000 * (time.perf_counter() - t_start), 1)
         if loaded is not None:
             keep, cache = self._kept(full), "disk"

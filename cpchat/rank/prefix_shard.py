@@ -19,9 +19,9 @@ import numpy as np
 
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.statestore import LayerState, StateStore
+from cpchat.rank.transport.wire import DTYPES
 
 Arrays = dict[str, mx.array | np.ndarray]
-_BITS = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}  # numpy has no bfloat16: such arrays travel as bits
 
 
 def capture(kv: KVShard, states: StateStore, tokens: np.ndarray, windows: Sequence[int | None],
@@ -118,10 +118,11 @@ def _join(before: tuple[mx.array, mx.array, np.ndarray], now: tuple[mx.array, mx
 
 
 def _as_bits(a: mx.array) -> mx.array:
-    return a.view(_BITS[a.dtype.size]) if a.dtype == mx.bfloat16 else a
+    """numpy has no bfloat16: such arrays are kept as their bits (the header names the dtype)."""
+    return a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
 
 
 def _array(header: dict, name: str, bits: np.ndarray) -> mx.array:
     a = mx.array(np.ascontiguousarray(bits))
-    dtype = getattr(mx, header["dtypes"][name])
+    dtype = DTYPES[header["dtypes"][name]][1]  # an unknown name: KeyError, the file does not fit
     return a.view(dtype) if a.dtype != dtype else a
