@@ -128,6 +128,34 @@ def test_the_whole_conversation_is_reused_as_resume_does(clusters, model_dir, em
     assert len(after) == 3 and not set(before) & set(after)  # the longer save superseded the shorter
 
 
+def test_a_second_question_saves_nothing_new(clusters, model_dir, empty_cache):
+    """The ranks save a conversation once it holds save_min_tokens they have not saved: the first
+    session saves the document; a second question about it loads it and adds too little to save; a
+    conversation that goes on past that saves again, replacing its own file."""
+    path = model_dir("qwen2")
+    cluster = clusters.get(2, path)
+    doc, first, second = document_and_questions(path, seed=70)
+
+    def session():
+        cluster.reset(0)
+        s = cached_session(cluster, path)
+        s.save_min_tokens = 40
+        return s
+
+    next_turn(session(), doc + first)
+    saved = shard_files(cluster)
+    assert len(saved) == 2
+    _, events = next_turn(session(), doc + second)
+    assert prefill_event(events).cache == "disk" and shard_files(cluster) == saved
+    third = session()
+    next_turn(third, doc + second)
+    prompt = third.raw_history + random_prompt(path, 45, seed=71)  # 45 past the saved document
+    got = [(e.id, e.logprob) for e in third._generate(prompt) if isinstance(e, Token)]
+    assert_same(got, mlx_lm_generate(path, prompt, MAX_TOKENS))
+    files = shard_files(cluster)
+    assert len(files) == 4 and set(saved) < set(files)
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_hybrid_model_reloads_its_linear_states(clusters, model_dir, ranks, empty_cache):
     """Linear layers' states are saved where the ranks kept them: where the documents end (the prompt

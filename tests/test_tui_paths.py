@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpchat.client.transcripts import Entry, TranscriptStore
-from cpchat.tui.format import bar, human_bytes
+from cpchat.format import human_bytes
+from cpchat.tui.format import bar
 from cpchat.tui.paths import parse_dropped_paths, split_paste
 
 

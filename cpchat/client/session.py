@@ -98,10 +98,12 @@ class Session:
         prefix_cache: bool = False,
     ) -> None:
         self.cluster, self.tokenizer, self.raw = cluster, tokenizer, raw
-        # Reuse prefixes the ranks saved on disk, and have them save this conversation's (from
-        # save_min_tokens on): a new session about the same document prefills only what is new.
+        # Reuse prefixes the ranks saved on disk, and have them save this conversation once it holds
+        # save_min_tokens they have not saved: a new session about the same document prefills only
+        # what is new, and another question about it saves nothing (the document is saved already).
         self.prefix_cache = prefix_cache
         self.save_min_tokens = SAVE_MIN_TOKENS
+        self.saved = 0  # of the tokens the ring holds, how many begin a prefix saved on its disks
         self.algorithm = algorithm
         # How decode steps share partial outputs: "exchange" (one step), "ring", or "auto" (the cost
         # model's choice from the measured latencies).
@@ -239,9 +241,9 @@ class Session:
             loaded = self.cluster.load_prefix(choice)
         except PrefixGone:
             self.cluster.reset(0)
-            self.held, self.keep_floor, self.state_positions = [], 0, []
+            self.held, self.keep_floor, self.state_positions, self.saved = [], 0, [], 0
             return None
-        self.held = full[: choice.tokens]
+        self.held, self.saved = full[: choice.tokens], choice.tokens
         self.keep_floor, self.state_positions = loaded.keep_floor, list(loaded.state_positions)
         return choice
 
@@ -253,7 +255,7 @@ class Session:
         """Continue on another cluster (e.g. relaunched ranks): the next turn re-prefills everything."""
         self.cluster = cluster
         self.held = []
-        self.keep_floor = 0
+        self.keep_floor = self.saved = 0
         self.state_positions = []
 
     def reset(self) -> None:
@@ -261,7 +263,7 @@ class Session:
         self.messages.clear()
         self.raw_history.clear()
         self.held.clear()
-        self.keep_floor = 0
+        self.keep_floor = self.saved = 0
         self.state_positions = []
 
     def prepare(self, text: str, docs: Sequence[Document | str | Path] = ()) -> Turn:
@@ -318,6 +320,7 @@ class Session:
         if loaded is not None:
             keep, cache = self._kept(full), "disk"
             yield CacheLoaded(self.turn_index, keep, load_ms, loaded.resharded(self.cluster.size))
+        self.saved = min(self.saved, keep)  # a rewritten conversation no longer begins like its save
         new = full[keep:]
         choice = self.choose_algorithm(len(new), keep)
         self.last_choice = choice
@@ -329,7 +332,7 @@ class Session:
             algorithm=choice.algorithm, decode=self.decode_exchange(len(full)),
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed,
             stop_tokens=sorted(self.tokenizer.eos_token_ids),
-            save_prefix=self.prefix_cache and len(full) >= self.save_min_tokens,
+            save_prefix=self.prefix_cache and len(full) - self.saved >= self.save_min_tokens,
             keep_state_at=max(documents_end - keep, 0) if self.prefix_cache and linear else 0,
         )
         turn = self.turn_index
@@ -367,6 +370,8 @@ class Session:
             elif isinstance(event, GenerationDone):
                 done = event.done
         self.held = (full + generated)[: done.cached_tokens]
+        if request.save_prefix and not done.cancelled:
+            self.saved = len(self.held)
         self.keep_floor = done.keep_floor
         self.state_positions = list(done.state_positions)
         if self.raw:

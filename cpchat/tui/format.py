@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from cpchat.format import human_bytes  # noqa: F401 - the panels' home for it
-
 
 def human_count(n: int) -> str:
     """12345 -> '12.3k' so that rank rows stay narrow."""

@@ -9,7 +9,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
 from cpchat.client.documents import Document
-from cpchat.tui.format import human_bytes
+from cpchat.format import human_bytes
 
 
 def describe_document(document: Document, tokens: int | None) -> str:

@@ -12,7 +12,8 @@ from textual.reactive import reactive
 from textual.widgets import Button, Label
 
 from cpchat.client.documents import Document
-from cpchat.tui.format import human_bytes, human_count
+from cpchat.format import human_bytes
+from cpchat.tui.format import human_count
 
 
 class AttachmentChip(HorizontalGroup):

@@ -8,7 +8,8 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from cpchat.client.events import RankStats
-from cpchat.tui.format import bar, human_bytes, human_count
+from cpchat.format import human_bytes
+from cpchat.tui.format import bar, human_count
 
 STATE_STYLES = {
     "starting": "dim",

@@ -10,7 +10,8 @@ from textual.widgets import Static
 
 from cpchat.client.events import AlgorithmChoice, Prefill, RankStats, RingStep
 from cpchat.core.algorithms import title
-from cpchat.tui.format import human_bytes, human_count
+from cpchat.format import human_bytes
+from cpchat.tui.format import human_count
 from cpchat.tui.widgets.big_text import BigText
 from cpchat.tui.widgets.ring_chart import RingChart
 

@@ -9,7 +9,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from cpchat.client.events import RingStep
-from cpchat.tui.format import human_bytes
+from cpchat.format import human_bytes
 
 CHART_WIDTH = 16
 

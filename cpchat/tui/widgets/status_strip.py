@@ -7,7 +7,8 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from cpchat.core.algorithms import title
-from cpchat.tui.format import human_bytes, human_count
+from cpchat.format import human_bytes
+from cpchat.tui.format import human_count
 from cpchat.tui.widgets.ranks import RanksPanel
 from cpchat.tui.widgets.ring import RingPanel
 from cpchat.tui.widgets.throughput import ThroughputPanel
