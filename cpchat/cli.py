@@ -95,19 +95,16 @@ class UsageError(Exception):
     pass
 
 
-DEFAULT_CACHE_GB = 16.0
-
-
 def prefix_store(directory: str | None, max_gb: float | None):
     """The rank's prefix cache: flags, else $CPCHAT_CACHE_DIR / $CPCHAT_CACHE_MAX_GB, else the defaults."""
     from pathlib import Path
 
-    from cpchat.dirs import prefix_dir
+    from cpchat.dirs import PREFIX_CACHE_GB, prefix_dir
     from cpchat.rank.prefix_cache import PrefixStore
 
     if max_gb is None:
         try:
-            max_gb = float(os.environ.get("CPCHAT_CACHE_MAX_GB") or DEFAULT_CACHE_GB)
+            max_gb = float(os.environ.get("CPCHAT_CACHE_MAX_GB") or PREFIX_CACHE_GB)
         except ValueError:
             value = os.environ["CPCHAT_CACHE_MAX_GB"]
             raise UsageError(f"CPCHAT_CACHE_MAX_GB={value!r} is not a number") from None

@@ -22,6 +22,9 @@ def cache_dir() -> Path:
     return Path(base) / "cpchat"
 
 
+PREFIX_CACHE_GB = 16.0  # the default bound on each rank's saved prefixes
+
+
 def prefix_dir() -> Path:
     """Where ranks on this machine save prefixes: $CPCHAT_CACHE_DIR, or under the cache dir."""
     return Path(os.environ.get("CPCHAT_CACHE_DIR") or cache_dir() / "prefix").expanduser()

@@ -311,8 +311,13 @@ def test_the_least_recently_used_files_go_first(tmp_path):
     store.load(f"{0:032x}", 0, 2, "m")  # used: now the most recent
     other = store.save(header | {"prefix_id": "f" * 32, "shard": 1}, {"tokens": np.zeros(900, np.uint32)})
     store.max_bytes = 3 * paths[0].stat().st_size  # the bound is per shard index: `other` does not count
+    dead, writing = tmp_path / ".writing-dead.kvp", tmp_path / ".writing-now.kvp"  # a writer that died
+    dead.write_bytes(b"x")
+    writing.write_bytes(b"x")
+    os.utime(dead, (0, 0))
     store.evict(0)
     assert [p.exists() for p in paths] == [True, False, False, True, True] and other.exists()
+    assert not dead.exists() and writing.exists()
 
 
 def test_two_writers_of_one_prefix_leave_one_whole_file(tmp_path):
@@ -389,3 +394,23 @@ def test_cache_settings_come_from_flags_environment_and_config(tmp_path, monkeyp
     monkeypatch.delenv("CPCHAT_CACHE")
     settings = resolve_settings(app_parser().parse_args(["--no-cache", "--cache-max-gb", "1"]), config)
     assert not settings.cache and settings.sources["cache"] == "flag --cache"
+
+
+def test_a_terminated_rank_finishes_its_files(model_dir, tmp_path):
+    """SIGTERM stops a rank cleanly: it finishes the prefix files it is writing, then exits 0."""
+    from cpchat.client.cluster import Cluster
+
+    path = model_dir("llama")
+    cluster = Cluster.launch(1, flags=["--cache-dir", str(tmp_path)])
+    try:
+        cluster.connect()
+        cluster.load(str(path))
+        next_turn(cached_session(cluster, path), random_prompt(path, 80, seed=90))
+        process = cluster.ranks[0].local.process
+        process.terminate()
+        assert process.wait(timeout=60) == 0
+    finally:
+        cluster.close()
+    (saved,) = tmp_path.glob("*.kvp")
+    header, arrays = prefix_file.read(saved)
+    assert header["tokens"] == len(arrays["tokens"]) >= 80

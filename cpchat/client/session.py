@@ -30,7 +30,7 @@ from cpchat.errors import BadInput
 Event = CacheLoaded | Prefill | Progress | Token | Done
 
 PROGRESS_INTERVAL_S = 0.25  # prefill progress at most 4 times a second (and once at its end)
-SAVE_MIN_TOKENS = 1024  # the ranks save a conversation on disk once it is this long (prefix cache)
+SAVE_MIN_TOKENS = 1024  # the ranks save a conversation on disk once it holds this many tokens not saved yet
 
 
 @dataclass

@@ -25,7 +25,7 @@ from cpchat.checkpoints.ollama import is_ollama
 from cpchat.checkpoints.resolve import is_checkpoint, local_gguf
 from cpchat.client.hub import is_hub_id
 from cpchat.core.algorithms import ALGORITHMS
-from cpchat.dirs import cache_dir, config_dir, data_dir
+from cpchat.dirs import PREFIX_CACHE_GB, cache_dir, config_dir, data_dir
 from cpchat.errors import BadInput
 
 REPO_ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -52,8 +52,18 @@ class Settings:
     blas: str = "auto"  # for local ranks: auto | openblas | mkl | reference (cpchat/blas.py)
     cache: bool = True  # the prefix cache: ranks save conversations on disk and later sessions reuse them
     cache_dir: str = ""  # where local ranks keep it ("": <user cache dir>/cpchat/prefix)
-    cache_max_gb: float = 16.0  # per rank
+    cache_max_gb: float = PREFIX_CACHE_GB  # per rank
     sources: dict[str, str] = field(default_factory=dict)
+
+
+def _flag(value: object) -> bool:
+    """A TOML boolean, or true/false, yes/no, on/off, 1/0 from the environment."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).lower()
+    if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ValueError(value)
+    return word in ("1", "true", "yes", "on")
 
 
 _KEYS = {f.name: f.type for f in fields(Settings) if f.name != "sources"}
@@ -67,18 +77,10 @@ _CASTS = {
     "seed": int,
     "theme": str,
     "blas": str,
-    "cache": lambda v: v if isinstance(v, bool) else _flag(str(v)),
+    "cache": _flag,
     "cache_dir": str,
     "cache_max_gb": float,
 }
-
-
-def _flag(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(text)
 
 
 def _set(settings: Settings, key: str, value: object, source: str) -> None:

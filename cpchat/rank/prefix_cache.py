@@ -13,6 +13,7 @@ go until the rest fit `max_bytes`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -129,7 +130,7 @@ class PrefixStore:
             h = entry.header
             try:
                 saved = prefix_file.read_array(entry.path, h, "tokens")
-            except (CorruptFile, OSError):
+            except (CorruptFile, OSError, KeyError, TypeError, ValueError):  # no readable token ids
                 self.discard(entry.path)
                 continue
             m = min(len(saved), len(tokens))
@@ -167,30 +168,43 @@ class PrefixStore:
         return header, arrays
 
     def evict(self, shard: int, keep: Path | None = None) -> None:
-        mine = sorted((e for e in self.entries() if e.shard == shard),
-                      key=lambda e: e.path.stat().st_mtime_ns)
-        total = sum(e.size for e in mine)
-        for e in mine:
+        """Remove this shard index's least recently used files (not `keep`) until the rest fit."""
+        mine = []
+        for e in self.entries():
+            with contextlib.suppress(FileNotFoundError):  # another rank's eviction got there first
+                if e.shard == shard:
+                    stat = e.path.stat()
+                    mine.append((stat.st_mtime_ns, stat.st_size, e.path))
+        total = sum(size for _, size, _ in mine)
+        for _, size, path in sorted(mine):
             if total <= self.max_bytes:
                 break
-            if e.path != keep:
-                total -= e.size
-                e.path.unlink(missing_ok=True)
+            if path != keep:
+                total -= size
+                self.discard(path)
+        self._sweep()
 
     def clear(self) -> int:
         """Remove every file here; returns how many bytes they held."""
         freed = 0
         for entry in self.entries():
-            freed += entry.size
-            entry.path.unlink(missing_ok=True)
-        for stale in self.root.glob(f".writing-*{SUFFIX}") if self.root.is_dir() else ():
-            if time.time() - stale.stat().st_mtime > 3600:  # a writer that died
-                stale.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                freed += entry.size
+            self.discard(entry.path)
+        self._sweep()
         return freed
+
+    def _sweep(self) -> None:
+        """Remove what writers that died left (temporary files more than an hour old)."""
+        for stale in self.root.glob(f".writing-*{SUFFIX}") if self.root.is_dir() else ():
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - stale.stat().st_mtime > 3600:
+                    stale.unlink()
 
     def discard(self, path: Path) -> None:
         self._headers.pop(path, None)
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # another user's file, say: left as it is, and unused
+            path.unlink(missing_ok=True)
 
     def _header(self, path: Path) -> dict:
         stat = path.stat()
