@@ -600,6 +600,9 @@ def serve(
     server.stop(grace=0.5).wait()
     state.engine.flush()
     state.shm.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # nothing is left to do, and the interpreter's teardown of MLX's threads can abort
 
 
 def _watch_parent(parent_pid: int, stop: threading.Event, flush: Callable[[], None]) -> None:
