@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 def _check(seq_len: int, num_ranks: int, rank: int | None = None) -> None:
     if num_ranks < 1:
@@ -65,8 +67,14 @@ def owner_of(position: int, seq_len: int, num_ranks: int) -> int:
     _check(seq_len, num_ranks)
     if not 0 <= position < seq_len:
         raise ValueError(f"position {position} outside [0, {seq_len})")
-    chunk_index = position // (padded_length(seq_len, num_ranks) // (2 * num_ranks))
-    return min(chunk_index, 2 * num_ranks - 1 - chunk_index)
+    return int(owners(np.array([position]), seq_len, num_ranks)[0])
+
+
+def owners(positions: np.ndarray, seq_len: int, num_ranks: int) -> np.ndarray:
+    """The rank that holds each of `positions` (in [0, seq_len)) under head-tail sharding."""
+    _check(seq_len, num_ranks)
+    chunk_index = positions // (padded_length(seq_len, num_ranks) // (2 * num_ranks))
+    return np.minimum(chunk_index, 2 * num_ranks - 1 - chunk_index)
 
 
 @dataclass(frozen=True)

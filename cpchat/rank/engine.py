@@ -23,7 +23,7 @@ from cpchat.checkpoints.resolve import is_checkpoint, model_dir
 from cpchat.core.algorithms import BY_NAME
 from cpchat.core.attention import partial_attention
 from cpchat.core.estimate import PrefillCost, line_through
-from cpchat.core.sharding import head_tail_layout, owner_of, padded_length
+from cpchat.core.sharding import head_tail_layout, owner_of, owners
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import context_parallel, fit, latent_attention, linear_layers
 from cpchat.rank.algorithms import DECODE, PREFILL
@@ -516,8 +516,7 @@ class Engine:
         def mine(p: np.ndarray) -> np.ndarray:
             if same:
                 return np.ones(len(p), bool)
-            chunk = np.minimum(p // (padded_length(tokens, ring.size) // (2 * ring.size)), 2 * ring.size - 1)
-            return np.minimum(chunk, 2 * ring.size - 1 - chunk) == ring.rank
+            return (p < tokens) & (owners(np.minimum(p, tokens - 1), tokens, ring.size) == ring.rank)
 
         header = shards[0][0]
         try:
