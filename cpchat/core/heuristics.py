@@ -41,6 +41,7 @@ import operator
 from dataclasses import dataclass
 
 from cpchat.core.algorithms import DECODE_EXCHANGES, PREFILL_ALGORITHMS, title
+from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
 from cpchat.core.sharding import head_split
 
 
@@ -57,6 +58,7 @@ class Workload:
     value_dim: int
     bytes_per_element: int
     layers: int
+    kv_format: KVFormat = FULL_PRECISION  # --kv-bits: K/V travel quantized past kv_format.start tokens
 
     def __post_init__(self) -> None:
         if self.new_tokens < 1 or self.cached_tokens < 0:
@@ -98,7 +100,9 @@ def prefill_estimates(w: Workload, m: Measured) -> dict[str, float]:
     compute = (t * (t + 1) / 2 + t * p) * m.per_pair_s / (w.layers * n)
     if n == 1:
         return dict.fromkeys(PREFILL_ALGORITHMS, compute * w.layers)  # nothing crosses
-    kv = (t + p) / n * w.kv_heads * (w.head_dim + w.value_dim) * w.bytes_per_element
+    kv_bytes = w.kv_format.bytes_per_element(w.bytes_per_element) if t + p > w.kv_format.start \
+        else w.bytes_per_element
+    kv = (t + p) / n * w.kv_heads * (w.head_dim + w.value_dim) * kv_bytes
     q = t / n * w.q_heads * w.head_dim * w.bytes_per_element
     out = t / n * w.q_heads * (w.value_dim + 1) * 4
     alpha, alpha_x = m.hop_latency_s, m.exchange_latency_s

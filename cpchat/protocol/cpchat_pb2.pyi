@@ -77,13 +77,19 @@ class ConfigureReply(_message.Message):
     def __init__(self, transports: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("model",)
+    __slots__ = ("model", "kv_bits", "kv_group_size", "quantized_kv_start")
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZED_KV_START_FIELD_NUMBER: _ClassVar[int]
     model: str
-    def __init__(self, model: _Optional[str] = ...) -> None: ...
+    kv_bits: int
+    kv_group_size: int
+    quantized_kv_start: int
+    def __init__(self, model: _Optional[str] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., quantized_kv_start: _Optional[int] = ...) -> None: ...
 
 class LoadProgress(_message.Message):
-    __slots__ = ("stage", "model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "bytes_per_element", "max_context", "value_dim", "state_layers")
+    __slots__ = ("stage", "model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "bytes_per_element", "max_context", "value_dim", "state_layers", "kv_bits", "kv_group_size")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +101,8 @@ class LoadProgress(_message.Message):
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     VALUE_DIM_FIELD_NUMBER: _ClassVar[int]
     STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model_type: str
     num_layers: int
@@ -106,7 +114,9 @@ class LoadProgress(_message.Message):
     max_context: int
     value_dim: int
     state_layers: int
-    def __init__(self, stage: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bytes_per_element: _Optional[int] = ..., max_context: _Optional[int] = ..., value_dim: _Optional[int] = ..., state_layers: _Optional[int] = ...) -> None: ...
+    kv_bits: int
+    kv_group_size: int
+    def __init__(self, stage: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bytes_per_element: _Optional[int] = ..., max_context: _Optional[int] = ..., value_dim: _Optional[int] = ..., state_layers: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
     __slots__ = ("probe_bytes", "rounds")

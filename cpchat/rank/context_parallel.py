@@ -24,6 +24,7 @@ import numpy as np
 
 from cpchat.core.algorithms import BY_NAME
 from cpchat.core.attention import add_sink, partial_attention
+from cpchat.core.quantized_kv import Packed, full_precision
 from cpchat.rank.algorithms import attend_function
 from cpchat.rank.fit import AttentionCall, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
@@ -32,6 +33,7 @@ from cpchat.rank.transport.ring import Ring
 from cpchat.rank.transport.wire import BlockKey, block_nbytes
 
 Partial = tuple[mx.array, mx.array]  # (out [1, H, L, Dv] float32, lse [1, H, L]): cpchat.core.attention
+KV = mx.array | Packed  # keys or values [1, H, n, D], full precision or quantized
 
 
 @dataclass
@@ -110,7 +112,7 @@ class RingPass:
         q = _flatten_rows(queries)
         k, v, k_pos = self.kv.layer(layer)
         if self.ring.size > 1:  # blocks must be concrete before they travel
-            mx.eval(q, *(a for a in (k, v) if a is not None))
+            mx.eval(q, kv_block(q, k, v, k_pos))
         out, lse = attend_function(BY_NAME[self.algorithm])(self, call, q, k, v, k_pos)
         if sinks is not None:
             out = add_sink(out, lse, sinks)
@@ -122,10 +124,12 @@ class RingPass:
     # ---- what the algorithms use
 
     def partial(self, call: LayerCall, timing: StepTiming, q: mx.array, q_pos: np.ndarray,
-                k: mx.array | None, v: mx.array | None, k_pos: np.ndarray) -> Partial:
-        """Attention of `q` over one block of keys (cpchat.core.attention), its time in `timing`."""
+                k: KV | None, v: KV | None, k_pos: np.ndarray) -> Partial:
+        """Attention of `q` over one block of keys (cpchat.core.attention), its time in `timing`.
+        Quantized keys and values are dequantized first (the block's, then dropped)."""
         if k is None or len(k_pos) == 0:
             return empty_partial(q, call.value_dim)
+        k, v = full_precision(k), full_precision(v)
         if self.ring.size == 1:  # nothing to overlap or report: stay lazy, one graph per forward
             return partial_attention(q, k, v, q_pos, k_pos, call.scale, window=call.window)
         t0 = time.perf_counter()
@@ -145,6 +149,12 @@ class RingPass:
         tensors, waited = self.ring.take(key, self.abort, source)
         timing.wait_ms += 1000 * waited
         return tensors
+
+    def take_kv(self, timing: StepTiming, key: BlockKey, source: int | None = None, skip: int = 0
+                ) -> tuple[KV, KV, np.ndarray] | None:
+        """A K/V block (as `kv_block` sent it, after `skip` other arrays): None if it holds no keys."""
+        arrays = self.take(timing, key, source)[skip:]
+        return read_kv_block(arrays, self.kv.format.bits, self.kv.format.group_size)
 
     def send(self, timing: StepTiming, key: BlockKey, tensors: list[mx.array], to: list[int] | None = None
              ) -> None:
@@ -215,14 +225,25 @@ def empty_partial(q: mx.array, value_dim: int) -> Partial:
     return mx.zeros((*q.shape[:-1], value_dim), mx.float32), mx.full(q.shape[:-1], float("-inf"))
 
 
-def empty_kv(q: mx.array) -> list[mx.array]:
-    """A block of no keys, values and positions, to send where a rank holds none."""
-    shape = (1, 1, 0, q.shape[-1])
-    return [mx.zeros(shape, q.dtype), mx.zeros(shape, q.dtype), mx.zeros((0,), mx.int32)]
-
-
-def kv_block(q: mx.array, k: mx.array | None, v: mx.array | None, k_pos: np.ndarray) -> list[mx.array]:
-    """This rank's keys, values and key positions as a block that can travel (empty if it holds none)."""
+def kv_block(q: mx.array, k: KV | None, v: KV | None, k_pos: np.ndarray) -> list[mx.array]:
+    """Keys, values and key positions as arrays that can travel: [k, v, positions], or quantized
+    [k words, scales, biases, v words, scales, biases, positions]; a block of no keys where none."""
     if k is None or len(k_pos) == 0:
-        return empty_kv(q)
-    return [k, v, mx.array(k_pos)]
+        shape = (1, 1, 0, q.shape[-1])
+        return [mx.zeros(shape, q.dtype), mx.zeros(shape, q.dtype), mx.zeros((0,), mx.int32)]
+    return [*_arrays(k), *_arrays(v), mx.array(k_pos)]
+
+
+def read_kv_block(arrays: list[mx.array], bits: int, group_size: int) -> tuple[KV, KV, np.ndarray] | None:
+    """What `kv_block` made, back: None for a block of no keys."""
+    positions = np.asarray(arrays[-1])
+    if positions.size == 0:
+        return None
+    if len(arrays) == 3:
+        return arrays[0], arrays[1], positions
+    k, v = (Packed(*arrays[i:i + 3], bits, group_size) for i in (0, 3))
+    return k, v, positions
+
+
+def _arrays(x: KV) -> list[mx.array]:
+    return x.arrays if isinstance(x, Packed) else [x]

@@ -23,6 +23,7 @@ from cpchat.checkpoints.resolve import is_checkpoint, model_dir
 from cpchat.core.algorithms import BY_NAME
 from cpchat.core.attention import partial_attention
 from cpchat.core.estimate import PrefillCost, line_through
+from cpchat.core.quantized_kv import BITS, FULL_PRECISION, GROUP_SIZES, KVFormat, quantized_from
 from cpchat.core.sharding import head_tail_layout, owner_of, owners
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import context_parallel, fit, latent_attention, linear_layers
@@ -43,6 +44,10 @@ class BadRequest(ValueError):
     pass
 
 
+class KVFormatRefused(ValueError):
+    """The model cannot keep its K/V in the format asked for; the message says why, by name."""
+
+
 @dataclass
 class ModelShape:
     """What this rank found in the model it loaded: head counts and sizes, and each layer's needs."""
@@ -57,6 +62,8 @@ class ModelShape:
     max_context: int
     layers: list[LayerAttention | LayerRecurrence]
     exact_tokens: int | None  # past this, mlx-lm's own RoPE depends on how it cuts the prompt
+    latent: bool = False  # MLA layers: keys and values are a compressed latent
+    kv_format: KVFormat = FULL_PRECISION
     identity: str = ""  # the model's files and the settings its K/V depend on (prefix_cache.model_identity)
 
     @property
@@ -69,7 +76,7 @@ class ModelShape:
         return next(layer for layer in self.layers if isinstance(layer, LayerAttention))
 
 
-def load_model(name: str):
+def load_model(name: str, kv_format: KVFormat = FULL_PRECISION):
     """Load with mlx-lm (a directory, a hub id `ORG/NAME[@revision]` or a checkpoint to convert, each
     resolved on this machine), install ring attention, and find out what each layer's attention needs."""
     from mlx_lm import load
@@ -86,7 +93,7 @@ def load_model(name: str):
         raise
     context_parallel.install()
     linear_layers.install()
-    latent_attention.adapt(model)
+    latent = latent_attention.adapt(model) > 0
     linear_layers.adapt(model)
     max_positions = int(config.get("max_position_embeddings") or 0)
     exact_tokens = fit.fit_rotary(model, max_positions)
@@ -107,9 +114,42 @@ def load_model(name: str):
         max_context=min(filter(None, (usable, exact_tokens)), default=0),  # 0: the config does not say
         layers=layers,
         exact_tokens=exact_tokens,
+        latent=latent,
+        kv_format=kv_format,
     )
-    info.identity = model_identity(local, {"device": str(mx.default_device()), "kv_bytes": first.dtype_bytes})
+    check_kv_format(info)
+    settings = {"device": str(mx.default_device()), "kv_bytes": first.dtype_bytes,
+                "kv_format": [kv_format.bits, kv_format.group_size, kv_format.start]}
+    info.identity = model_identity(local, settings)
     return model, info
+
+
+def check_kv_format(info: ModelShape) -> None:
+    """Refuse, by name, what mlx-lm itself cannot quantize (or MLX cannot group)."""
+    fmt = info.kv_format
+    if not fmt.quantized:
+        return
+    if fmt.bits not in BITS or fmt.group_size not in GROUP_SIZES:
+        raise KVFormatRefused(f"--kv-bits {fmt.bits} --kv-group-size {fmt.group_size}: cpchat quantizes K/V "
+                              f"to {' or '.join(map(str, BITS))} bits in groups of "
+                              f"{', '.join(map(str, GROUP_SIZES))}")
+    attention = [layer for layer in info.layers if isinstance(layer, LayerAttention)]
+    name = info.model_type
+    if any(layer.window for layer in attention):
+        raise KVFormatRefused(f"--kv-bits: {name}'s sliding-window layers keep a rotating cache, which "
+                              "mlx-lm cannot quantize (RotatingKVCache has no quantized form)")
+    if any(layer.sinks for layer in attention):
+        raise KVFormatRefused(f"--kv-bits: {name}'s attention sinks are not supported by mlx-lm's quantized "
+                              "attention")
+    if info.latent:
+        raise KVFormatRefused(f"--kv-bits: {name}'s multi-head latent attention caches a compressed latent, "
+                              "which mlx-lm does not quantize")
+    dims = sorted({d for layer in attention for d in (layer.key_dim, layer.value_dim)})
+    if any(d % fmt.group_size for d in dims):
+        fits = [g for g in GROUP_SIZES if all(d % g == 0 for d in dims)]
+        hint = f": try --kv-group-size {fits[-1]}" if fits else ""
+        raise KVFormatRefused(f"--kv-group-size {fmt.group_size} does not divide {name}'s head size "
+                              f"{'/'.join(map(str, dims))} (K/V are quantized in groups along it){hint}")
 
 
 def _split_revision(name: str) -> tuple[str, str | None]:
@@ -229,14 +269,16 @@ class Engine:
         self.tokens = np.zeros(0, np.uint32)
         self.segments: list[tuple[int, int]] = []
         self.origin: Entry | None = None
+        # The last token sampled and not yet read (the ring's next position): mlx-lm reads it alone.
+        self.unread: tuple[int, int] | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-writer")
         self._saves: list[Future] = []
 
-    def load(self, path: str) -> ModelShape:
-        self.model, self.info = load_model(path)
+    def load(self, path: str, kv_format: KVFormat = FULL_PRECISION) -> ModelShape:
+        self.model, self.info = load_model(path, kv_format)
         self.model_name = path
         self.prefill_cost = measure_prefill(self.model, self.info)
-        self.kv = KVShard(self.info.num_layers, self.info.linear)
+        self.kv = KVShard(self.info.num_layers, self.info.linear, kv_format)
         self.states = StateStore()
         self.total_tokens = 0
         self._forget_history(0)
@@ -249,6 +291,8 @@ class Engine:
             self.states.restore(keep_tokens)
         self.total_tokens = keep_tokens
         self._forget_history(keep_tokens)
+        if self.unread is not None and self.unread[0] != keep_tokens:
+            self.unread = None
         if keep_tokens == 0:
             self.keep_floor = 0
 
@@ -416,17 +460,36 @@ class Engine:
             )
 
         tokens, kept = list(req.tokens), {start}
+        end = start + len(tokens)
+        fmt, lone = self.info.kv_format, self.unread == (start, tokens[0])
+        quantize_at = quantized_from(start, len(tokens), fmt.start, lone) \
+            if fmt.quantized and not self.kv.quantized else None
+        state_at = start + int(req.keep_state_at) if self.info.linear and req.keep_state_at else None
+        # Passes: the prompt is cut where the K/V turn quantized and where a state is kept.
+        inside = {c for c in (quantize_at, state_at) if c is not None and start < c < end}
+        cuts = [start, *sorted(inside), end]
+        passes = list(zip(cuts, cuts[1:]))
+        longest = max(passes, key=lambda p: p[1] - p[0])
+        self.unread = None
+
+        def quantize_by(position: int) -> None:
+            """mlx-lm's check before a call that reads from `position`."""
+            if quantize_at is not None and position >= quantize_at and not self.kv.quantized:
+                self.kv.quantize()
+
         try:
             t0 = time.perf_counter()
             self.states.snapshot(start, keep=kept)
-            if self.info.linear and 0 < req.keep_state_at < len(tokens):  # a first pass up to there
-                cut = int(req.keep_state_at)
-                self._prefill(req, tokens[:cut], ring, abort, on_layer, request_id=f"{req.request_id}#s")
-                kept.add(start + cut)
-                self.states.snapshot(start + cut, keep=kept)
-                tokens = tokens[cut:]
-                on_layer = None  # the first pass, the long one, showed the progress
-            logits = self._prefill(req, tokens, ring, abort, on_layer)
+            for i, (a, b) in enumerate(passes):
+                quantize_by(a)
+                last = i == len(passes) - 1
+                logits = self._prefill(req, tokens[a - start:b - start], ring, abort,
+                                       on_layer if (a, b) == longest else None,
+                                       request_id=req.request_id if last else f"{req.request_id}#{i}")
+                if b == state_at:
+                    kept.add(b)
+                    self.states.snapshot(b, keep=kept)
+            tokens = tokens[passes[-1][0] - start:]
             prompt_end = self.total_tokens
             self.states.snapshot(prompt_end, keep=kept)
             before_forgetting = {i: self.kv.layer(i) for i, w in enumerate(self.windows)
@@ -449,19 +512,22 @@ class Engine:
                     break
                 if abort.is_set():
                     raise Aborted(req.request_id)
+                quantize_by(self.total_tokens)
                 logits = self._decode(req, ring, abort, token)
                 token, logprob = self._agree(req, ring, abort, 0, index + 1, logits)
             if self.slides:
                 self._forget_outside_windows(prompt_end, rollback_to=prompt_end)
                 self.keep_floor = prompt_end
+            if req.max_tokens:
+                self.unread = (self.total_tokens, token)
             if req.save_prefix and self.cache is not None:
                 self._save(ring, before_forgetting, prompt_end)
         except BaseException:
             self.reset(start)
             raise
         finally:
-            ring.mailbox.forget(req.request_id)
-            ring.mailbox.forget(f"{req.request_id}#s")
+            for request_id in [req.request_id, *(f"{req.request_id}#{i}" for i in range(len(passes) - 1))]:
+                ring.mailbox.forget(request_id)
 
     # ---- the prefix cache
 
@@ -520,7 +586,8 @@ class Engine:
 
         header = shards[0][0]
         try:
-            self.kv, self.states = restore(shards, tokens, self.info.num_layers, self.info.linear, mine)
+            self.kv, self.states = restore(shards, tokens, self.info.num_layers, self.info.linear, mine,
+                                           self.info.kv_format)
         except (KeyError, ValueError, IndexError) as e:  # whole files (their digests hold) that do not fit
             for s in [ring.rank] if same else range(num_ranks):
                 self.cache.discard(self.cache.path(prefix, s, num_ranks))

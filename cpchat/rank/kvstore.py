@@ -5,7 +5,9 @@ layer stores the tokens this rank owns, except that a sliding-window layer may
 `forget` keys no later query can see; so each layer keeps its own positions,
 and `positions` lists the tokens the rank owns (what it reports and rolls back).
 Buffers grow in steps, as mlx-lm's KVCache does, so decode appends do not copy
-the whole shard.
+the whole shard. With `--kv-bits` the shard turns quantized when the engine says
+(`quantize`, cpchat.core.quantized_kv): from then on a layer's keys and values are
+`Packed` (words, scales, biases) and every append is quantized as it arrives.
 """
 
 from __future__ import annotations
@@ -13,15 +15,21 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat, Packed, apply, quantize, take
+
 GROW = 256
+KV = mx.array | Packed
 
 
 class KVShard:
-    def __init__(self, num_layers: int, linear: frozenset[int] = frozenset()) -> None:
+    def __init__(self, num_layers: int, linear: frozenset[int] = frozenset(),
+                 kv_format: KVFormat = FULL_PRECISION) -> None:
         self.num_layers = num_layers
         self.linear = linear  # layers that keep a recurrent state instead (cpchat.rank.statestore)
-        self.keys: list[mx.array | None] = [None] * num_layers
-        self.values: list[mx.array | None] = [None] * num_layers
+        self.format = kv_format
+        self.quantized = False  # whether the layers hold (and append) Packed keys and values
+        self.keys: list[KV | None] = [None] * num_layers
+        self.values: list[KV | None] = [None] * num_layers
         self.positions = np.zeros(0, dtype=np.int32)
         self._layer_positions = [self.positions] * num_layers
         self._pending: np.ndarray | None = None  # positions being appended by the current forward
@@ -36,8 +44,9 @@ class KVShard:
         return sum(
             n * a.shape[1] * a.shape[3] * a.dtype.size
             for n, k, v in zip(self._lengths, self.keys, self.values)
-            for a in (k, v)
-            if a is not None
+            for kv in (k, v)
+            if kv is not None
+            for a in _parts(kv)
         )
 
     def begin_append(self, positions: np.ndarray) -> None:
@@ -46,24 +55,38 @@ class KVShard:
 
     def append(self, layer: int, keys: mx.array, values: mx.array) -> None:
         """Append [1, Hkv, n, D] keys/values of the pending positions to one layer."""
+        if self.quantized:
+            keys, values = quantize(keys, self.format), quantize(values, self.format)
         n_new = keys.shape[2]
         start = self._lengths[layer]
         buf = self.keys[layer]
         if buf is None or start + n_new > buf.shape[2]:
             capacity = (start + n_new + GROW - 1) // GROW * GROW
-            new_k = mx.zeros((1, keys.shape[1], capacity, keys.shape[3]), keys.dtype)
-            new_v = mx.zeros((1, values.shape[1], capacity, values.shape[3]), values.dtype)  # MLA: own size
-            if buf is not None and start:
-                new_k[..., :start, :] = buf[..., :start, :]
-                new_v[..., :start, :] = self.values[layer][..., :start, :]
-            self.keys[layer], self.values[layer] = new_k, new_v
-        self.keys[layer][..., start : start + n_new, :] = keys
-        self.values[layer][..., start : start + n_new, :] = values
+            self.keys[layer] = _grown(buf, keys, start, capacity)
+            self.values[layer] = _grown(self.values[layer], values, start, capacity)  # MLA: own size
+        for buf, new in ((self.keys[layer], keys), (self.values[layer], values)):
+            for b, a in zip(_parts(buf), _parts(new), strict=True):
+                b[..., start : start + n_new, :] = a
         self._lengths[layer] = start + n_new
+
+    def quantize(self) -> None:
+        """Hold every layer's keys and values quantized from now on (mlx-lm's to_quantized)."""
+        for i in range(self.num_layers):
+            n = self._lengths[i]
+            if n == 0:
+                self.keys[i] = self.values[i] = None
+            elif not isinstance(self.keys[i], Packed):
+                self.keys[i] = quantize(self.keys[i][..., :n, :], self.format)
+                self.values[i] = quantize(self.values[i][..., :n, :], self.format)
+        self.quantized = True
+        mx.eval(self._arrays())
+
+    def _arrays(self) -> list[mx.array]:
+        return [a for kv in self.keys + self.values if kv is not None for a in _parts(kv)]
 
     def commit(self) -> None:
         """The forward finished: its K/V are computed and its positions belong to the shard."""
-        mx.eval([a for a in self.keys + self.values if a is not None])
+        mx.eval(self._arrays())
         if self._pending is not None:
             self.positions = np.concatenate([self.positions, self._pending])
             self._layer_positions = [np.concatenate([p, self._pending]) for p in self._layer_positions]
@@ -71,7 +94,7 @@ class KVShard:
         assert all(n == len(p) for i, (n, p) in enumerate(zip(self._lengths, self._layer_positions))
                    if i not in self.linear), "layers out of step"
 
-    def layer(self, layer: int) -> tuple[mx.array, mx.array, np.ndarray]:
+    def layer(self, layer: int) -> tuple[KV | None, KV | None, np.ndarray]:
         """Keys, values and positions of one layer, the pending append included."""
         n = self._lengths[layer]
         positions = self._layer_positions[layer]
@@ -79,25 +102,31 @@ class KVShard:
             positions = np.concatenate([positions, self._pending])
         if n == 0:
             return None, None, positions[:0]
-        return self.keys[layer][..., :n, :], self.values[layer][..., :n, :], positions[:n]
+        return _head(self.keys[layer], n), _head(self.values[layer], n), positions[:n]
 
-    def fill(self, positions: np.ndarray, layers: dict[int, tuple[mx.array, mx.array, np.ndarray]]) -> None:
+    def fill(self, positions: np.ndarray, layers: dict[int, tuple[KV, KV, np.ndarray]],
+             quantized: bool = False) -> None:
         """Hold these tokens: each attention layer's keys, values and their positions (a saved prefix)."""
         self._pending = None
+        self.quantized = quantized
         self.positions = positions.astype(np.int32)
         for i in range(self.num_layers):
             keys, values, held = layers.get(i, (None, None, self.positions[:0]))
             self.keys[i], self.values[i] = keys, values
             self._layer_positions[i] = self.positions if i in self.linear else held.astype(np.int32)
             self._lengths[i] = 0 if keys is None else keys.shape[2]
-        mx.eval([a for a in self.keys + self.values if a is not None])
+        mx.eval(self._arrays())
 
     def layer_positions(self, layer: int) -> np.ndarray:
         return self._layer_positions[layer]
 
     def truncate(self, keep_positions_below: int) -> None:
-        """Forget every token at or after a global position (and any pending append)."""
+        """Forget every token at or after a global position (and any pending append); forgetting
+        them all starts a conversation afresh, in full precision."""
         self._pending = None
+        if keep_positions_below <= 0:
+            self.quantized = False
+            self.keys, self.values = [None] * self.num_layers, [None] * self.num_layers
         self.positions = self.positions[self.positions < keep_positions_below]
         for layer in range(self.num_layers):
             self._keep(layer, self._layer_positions[layer] < keep_positions_below)
@@ -111,8 +140,26 @@ class KVShard:
         n = len(self._layer_positions[layer])
         if self.keys[layer] is not None and not keep.all():
             index = mx.array(np.flatnonzero(keep))
-            self.keys[layer] = mx.take(self.keys[layer][..., :n, :], index, axis=2)
-            self.values[layer] = mx.take(self.values[layer][..., :n, :], index, axis=2)
-            mx.eval(self.keys[layer], self.values[layer])
+            self.keys[layer] = take(_head(self.keys[layer], n), index, axis=2)
+            self.values[layer] = take(_head(self.values[layer], n), index, axis=2)
+            mx.eval(_parts(self.keys[layer]), _parts(self.values[layer]))
         self._layer_positions[layer] = self._layer_positions[layer][keep]
         self._lengths[layer] = len(self._layer_positions[layer])
+
+
+def _parts(x: KV) -> list[mx.array]:
+    return x.arrays if isinstance(x, Packed) else [x]
+
+
+def _head(x: KV, n: int) -> KV:
+    """The first n tokens of a buffer."""
+    return apply(x, lambda a: a[..., :n, :])
+
+
+def _grown(buf: KV | None, like: KV, used: int, capacity: int) -> KV:
+    """A buffer of `capacity` tokens shaped like `like`, holding the first `used` tokens of `buf`."""
+    grown = apply(like, lambda a: mx.zeros((1, a.shape[1], capacity, a.shape[3]), a.dtype))
+    if buf is not None and used:
+        for g, b in zip(_parts(grown), _parts(buf), strict=True):
+            g[..., :used, :] = b[..., :used, :]
+    return grown

@@ -30,7 +30,7 @@ from cpchat.rank.prefix_file import CorruptFile
 SUFFIX = ".kvp"
 _NAME = re.compile(r"^([0-9a-f]{32})-(\d+)-of-(\d+)\.kvp$")
 FIELDS = ("prefix_id", "model_key", "model", "num_ranks", "shard", "tokens", "segments", "floor",
-          "state_positions", "dtypes")  # every header has them (cpchat/rank/engine.py writes them)
+          "state_positions", "dtypes", "quantized")  # every header has them (cpchat/rank/engine.py writes)
 
 
 class CacheMiss(Exception):

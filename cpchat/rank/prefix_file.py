@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"CPCHATKV"
-VERSION = 1
+VERSION = 2  # 2: quantized K/V (the header says "quantized")
 _PREAMBLE = struct.Struct("<8sIQ")
 _MAX_HEADER = 64 << 20
 

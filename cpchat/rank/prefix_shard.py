@@ -2,8 +2,9 @@
 states, as the named arrays of one prefix file (cpchat/rank/prefix_file.py).
 
 Arrays:  tokens · positions (the tokens this rank owns) · layer{i}.keys/.values/.positions for each
-attention layer · state{p}.layer{i}.state/.halo/.halo_real for each linear layer at each position p
-its state was kept at (the whole ring's: every rank holds the same states).
+attention layer (once the shard is quantized, layer{i}.keys.words/.scales/.biases and the same for
+values: the file holds the quantized form) · state{p}.layer{i}.state/.halo/.halo_real for each linear
+layer at each position p its state was kept at (the whole ring's: every rank holds the same states).
 
 Any split of the positions over the ranks gives the same attention (masks use global positions and
 partial outputs merge exactly), so a ring of another size can take a saved prefix too: each of its
@@ -17,7 +18,8 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from cpchat.rank.kvstore import KVShard
+from cpchat.core.quantized_kv import KVFormat, Packed, concatenate, take
+from cpchat.rank.kvstore import KV, KVShard
 from cpchat.rank.statestore import LayerState, StateStore
 from cpchat.rank.transport.wire import DTYPES
 
@@ -45,7 +47,7 @@ def capture(kv: KVShard, states: StateStore, tokens: np.ndarray, windows: Sequen
             floor = max(floor, int(missing.max()) + windows[i] if len(missing) else 0)
         arrays[f"layer{i}.positions"] = positions.copy()
         if keys is not None:
-            for name, a in ((f"layer{i}.keys", keys), (f"layer{i}.values", values)):
+            for name, a in (*_named(f"layer{i}.keys", keys), *_named(f"layer{i}.values", values)):
                 arrays[name], dtypes[name] = _as_bits(a), str(a.dtype).removeprefix("mlx.core.")
     kept = sorted(p for p in states.snapshots if 0 < p < total) + [total] if kv.linear else []
     for p in kept:
@@ -55,14 +57,16 @@ def capture(kv: KVShard, states: StateStore, tokens: np.ndarray, windows: Sequen
                 arrays[name], dtypes[name] = _as_bits(a), str(a.dtype).removeprefix("mlx.core.")
             arrays[f"state{p}.layer{i}.halo_real"] = s.halo_real.copy()
     mx.eval([a for a in arrays.values() if isinstance(a, mx.array)])
-    return {"dtypes": dtypes, "floor": floor, "state_positions": kept}, arrays
+    return {"dtypes": dtypes, "floor": floor, "state_positions": kept, "quantized": kv.quantized}, arrays
 
 
 def restore(shards: Sequence[tuple[dict, dict[str, np.ndarray]]], tokens: int, num_layers: int,
-            linear: frozenset[int], mine: Callable[[np.ndarray], np.ndarray]) -> tuple[KVShard, StateStore]:
+            linear: frozenset[int], mine: Callable[[np.ndarray], np.ndarray], kv_format: KVFormat
+            ) -> tuple[KVShard, StateStore]:
     """The KV shard and states of a saved prefix cut to `tokens`, keeping the positions `mine` selects
     from each saved shard (all of one's own; a ring of another size: a prefill's share)."""
-    kv = KVShard(num_layers, linear)
+    kv = KVShard(num_layers, linear, kv_format)
+    quantized = bool(shards[0][0]["quantized"])
     layers = {}
     for i in range(num_layers):
         if i in linear:
@@ -75,20 +79,19 @@ def restore(shards: Sequence[tuple[dict, dict[str, np.ndarray]]], tokens: int, n
                 keep = slice(None)
             elif not keep.any():
                 continue
-            parts.append((p[keep], _array(header, f"layer{i}.keys", arrays[f"layer{i}.keys"][:, :, keep]),
-                          _array(header, f"layer{i}.values", arrays[f"layer{i}.values"][:, :, keep])))
+            parts.append((p[keep], *(_kv(header, arrays, f"layer{i}.{name}", keep, quantized, kv_format)
+                                     for name in ("keys", "values"))))
         if len(parts) == 1 and np.all(np.diff(parts[0][0]) > 0):
             positions, keys, values = parts[0]
             layers[i] = (keys, values, positions)
         elif parts:
             positions = np.concatenate([p for p, _, _ in parts])
             order = np.argsort(positions, kind="stable")
-            take = mx.array(order)
-            layers[i] = (mx.take(mx.concatenate([k for _, k, _ in parts], axis=2), take, axis=2),
-                         mx.take(mx.concatenate([v for _, _, v in parts], axis=2), take, axis=2),
-                         positions[order])
+            index = mx.array(order)
+            layers[i] = (take(concatenate([k for _, k, _ in parts], axis=2), index, axis=2),
+                         take(concatenate([v for _, _, v in parts], axis=2), index, axis=2), positions[order])
     owned = np.concatenate([p[(p < tokens) & mine(p)] for p in (a["positions"] for _, a in shards)])
-    kv.fill(np.sort(owned), layers)
+    kv.fill(np.sort(owned), layers, quantized)
     store = StateStore()
     if linear:
         header, arrays = shards[0]
@@ -115,6 +118,23 @@ def _join(before: tuple[mx.array, mx.array, np.ndarray], now: tuple[mx.array, mx
     if k0 is None:
         return k1, v1, p1[later]
     return mx.concatenate([k0, k1], axis=2), mx.concatenate([v0, v1], axis=2), np.concatenate([p0, p1[later]])
+
+
+def _named(name: str, x: KV) -> list[tuple[str, mx.array]]:
+    """The arrays of a layer's keys or values, under the names the file gives them."""
+    if isinstance(x, Packed):
+        return [(f"{name}.words", x.words), (f"{name}.scales", x.scales), (f"{name}.biases", x.biases)]
+    return [(name, x)]
+
+
+def _kv(header: dict, arrays: dict[str, np.ndarray], name: str, keep, quantized: bool, kv_format: KVFormat
+        ) -> KV:
+    """A layer's keys or values from the file, the tokens of `keep` (a mask or a slice)."""
+    if quantized:
+        words, scales, biases = (_array(header, f"{name}.{part}", arrays[f"{name}.{part}"][:, :, keep])
+                                 for part in ("words", "scales", "biases"))
+        return Packed(words, scales, biases, kv_format.bits, kv_format.group_size)
+    return _array(header, name, arrays[name][:, :, keep])
 
 
 def _as_bits(a: mx.array) -> mx.array:

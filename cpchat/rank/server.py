@@ -25,11 +25,12 @@ from grpc_reflection.v1alpha import reflection
 
 from cpchat import blas
 from cpchat.checkpoints import CheckpointError
+from cpchat.core.quantized_kv import KVFormat
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 from cpchat.protocol.channel import SERVER_KEEPALIVE, TokenCheck, open_channel, token_metadata
 from cpchat.rank.calibration import MAX_PROBE_BYTES, PROBE_BYTES, Calibration, calibrate
-from cpchat.rank.engine import BadRequest, Engine, UnsupportedModel
+from cpchat.rank.engine import BadRequest, Engine, KVFormatRefused, UnsupportedModel
 from cpchat.rank.prefix_cache import CacheMiss, PrefixStore
 from cpchat.rank.transport.data_plane import (
     DataPlane,
@@ -349,12 +350,13 @@ class ControlServicer(pb_grpc.ControlServicer):
             self.s.activity, self.s.state = "loading a model", "loading"
             yield pb.LoadProgress(stage="loading")
             try:
-                info = self.s.on_mlx(self.s.engine.load, request.model)
+                kv_format = KVFormat(request.kv_bits, request.kv_group_size or 64, request.quantized_kv_start)
+                info = self.s.on_mlx(self.s.engine.load, request.model, kv_format)
             except UnsupportedModel as e:
                 self.s.state = "ready" if self.s.engine.model is not None else "idle"  # the old model stays
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{e} (not supported for context parallelism)")
-            except CheckpointError as e:  # a GGUF file that cannot be converted: the message names it
+            except (CheckpointError, KVFormatRefused) as e:  # a GGUF that cannot be converted, or --kv-bits
                 self.s.state = "ready" if self.s.engine.model is not None else "idle"
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except Exception as e:  # noqa: BLE001 - any load failure is reported, not raised
@@ -368,7 +370,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             num_q_heads=info.num_q_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
             vocab_size=info.vocab_size, bytes_per_element=info.bytes_per_element,
             max_context=info.max_context, value_dim=info.first_attention.value_dim,
-            state_layers=len(info.linear),
+            state_layers=len(info.linear), kv_bits=info.kv_format.bits,
+            kv_group_size=info.kv_format.group_size,
         )
 
     def Calibrate(self, request, context):
@@ -394,7 +397,7 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def Generate(self, request, context):
         try:
-            if len(request.request_id) > MAX_ID - 2:  # a first pass sends frames as ID#s
+            if len(request.request_id) > MAX_ID - 2:  # earlier passes send frames as ID#0, ID#1
                 raise BadRequest(f"request_id longer than {MAX_ID - 2} characters")
             self.s.engine.validate(request)  # a malformed request never takes the rank
             abort = self.s.begin(request.request_id)

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from cpchat.core.attention import merge_partials
+from cpchat.core.quantized_kv import concatenate
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.context_parallel import LayerCall, Partial, RingPass, kv_block
 
@@ -21,10 +22,10 @@ def attend(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx
     rp.send(timing, key, kv_block(q, k, v, k_pos), to=rp.ring.peers)
     parts = [rp.partial(call, timing, q, rp.q_positions, k, v, k_pos)]
     timing = rp.step_timing(layer, 1)
-    blocks = [rp.take(timing, key, source) for source in rp.ring.peers]
-    blocks = [b for b in blocks if b[2].size]
+    blocks = [rp.take_kv(timing, key, source) for source in rp.ring.peers]
+    blocks = [b for b in blocks if b is not None]
     if blocks:
-        gk, gv = (mx.concatenate([b[i] for b in blocks], axis=2) for i in (0, 1))
-        g_pos = np.concatenate([np.asarray(b[2]) for b in blocks])
+        gk, gv = (concatenate([b[i] for b in blocks], axis=2) for i in (0, 1))
+        g_pos = np.concatenate([b[2] for b in blocks])
         parts.append(rp.partial(call, timing, q, rp.q_positions, gk, gv, g_pos))
     return merge_partials(parts)

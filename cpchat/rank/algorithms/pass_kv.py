@@ -11,22 +11,20 @@ import numpy as np
 
 from cpchat.core.attention import merge_partials
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank.context_parallel import LayerCall, Partial, RingPass, empty_kv, empty_partial
+from cpchat.rank.context_parallel import LayerCall, Partial, RingPass, empty_partial, kv_block
 
 
 def attend(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.array | None,
            k_pos: np.ndarray) -> Partial:
     n, layer = rp.ring.size, call.layer
     parts = []
-    block = None if k is None else [k, v, mx.array(k_pos)]
+    block = None if k is None or len(k_pos) == 0 else (k, v, k_pos)
     for step in range(n):
         timing = rp.step_timing(layer, step)
         if step > 0:
-            block = rp.take(timing, rp.key(layer, step - 1, pb.KV))
-            block = None if block[2].size == 0 else block
+            block = rp.take_kv(timing, rp.key(layer, step - 1, pb.KV))
         if step < n - 1:
-            rp.send(timing, rp.key(layer, step, pb.KV), block or empty_kv(q))
+            rp.send(timing, rp.key(layer, step, pb.KV), kv_block(q, *(block or (None, None, k_pos[:0]))))
         if block is not None:
-            bk, bv, bpos = block
-            parts.append(rp.partial(call, timing, q, rp.q_positions, bk, bv, np.asarray(bpos)))
+            parts.append(rp.partial(call, timing, q, rp.q_positions, *block))
     return merge_partials(parts) if parts else empty_partial(q, call.value_dim)
