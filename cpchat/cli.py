@@ -11,6 +11,7 @@ from cpchat import EXIT_OK, EXIT_USAGE, __version__, blas
 from cpchat.client.cluster import TRANSPORTS
 from cpchat.client.connect import ClusterOptions, read_bytes, read_token
 from cpchat.core.algorithms import ALGORITHMS
+from cpchat.core.quantized_kv import BITS, GROUP_SIZES
 from cpchat.errors import BadInput
 
 
@@ -41,6 +42,7 @@ def app_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", default="all", metavar="all|none|I,J,...",
                    help="GPUs the local ranks run on, one rank per GPU in turn (CUDA): all visible "
                         "(default), none, or a comma list of device indices")
+    add_kv_flags(p)
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temp", type=float, default=None, help="sampling temperature; 0 is greedy")
     p.add_argument("--top-p", type=float, default=None)
@@ -80,6 +82,17 @@ def rank_parser() -> argparse.ArgumentParser:
                    help="the BLAS for CPU products (Linux): auto takes the fastest installed (default)")
     add_cache_flags(p)
     return p
+
+
+def add_kv_flags(p: argparse.ArgumentParser) -> None:
+    """mlx-lm's K/V quantization flags, with its meaning and defaults."""
+    p.add_argument("--kv-bits", type=int, choices=BITS, default=None,
+                   help="keep K/V quantized to this many bits, on every rank and on the ring (mlx-lm's "
+                        "--kv-bits; default: the model's dtype)")
+    p.add_argument("--kv-group-size", type=int, choices=GROUP_SIZES, default=None,
+                   help="values per quantization group along the head dimension (default 64)")
+    p.add_argument("--quantized-kv-start", type=int, default=None, metavar="S",
+                   help="quantize once the K/V hold this many tokens, as mlx-lm does (default 5000)")
 
 
 def add_cache_flags(p: argparse.ArgumentParser) -> None:

@@ -112,7 +112,7 @@ def run_headless(args: argparse.Namespace, options: ClusterOptions) -> int:
         assert cluster is not None
         out.event(Ready(settings.model or "demo",
                         [RankAddress(r.rank, r.address, r.blas_label) for r in cluster.ranks],
-                        transport=cluster.transport_label))
+                        transport=cluster.transport_label, kv_bits=cluster.model.kv_format.bits))
         if warning := cluster.slow_blas_warning():
             diagnostic(warning)
         session = front.session_for([], raw=args.raw)

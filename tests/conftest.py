@@ -11,6 +11,7 @@ import pytest
 from hypothesis import settings
 
 from cpchat.client.cluster import Cluster
+from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
 from cpchat.smallmodels import convert_model, write_model
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -58,7 +59,7 @@ class ClusterPool:
         self.clusters: dict[tuple[int, str], Cluster] = {}
         self.loaded: dict[tuple[int, str], str] = {}
 
-    def get(self, ranks: int, model: Path, transport: str = "auto") -> Cluster:
+    def get(self, ranks: int, model: Path, transport: str = "auto", kv: KVFormat = FULL_PRECISION) -> Cluster:
         key = (ranks, transport)
         cluster = self.clusters.get(key)
         if cluster is None or any(r.local.process.poll() is not None for r in cluster.ranks):
@@ -67,9 +68,9 @@ class ClusterPool:
             cluster = self.clusters[key] = Cluster.launch(ranks, transport=transport)
             cluster.connect()
             self.loaded.pop(key, None)
-        if self.loaded.get(key) != str(model):
-            cluster.load(str(model))
-            self.loaded[key] = str(model)
+        if self.loaded.get(key) != (str(model), kv):
+            cluster.load(str(model), kv_format=kv)
+            self.loaded[key] = (str(model), kv)
         cluster.reset(0)
         return cluster
 

@@ -288,7 +288,8 @@ def test_a_changed_model_file_invalidates_its_prefixes(clusters, model_dir, tmp_
 def test_files_are_private_and_named_by_the_rank(tmp_path):
     store = PrefixStore(tmp_path / "prefix", max_bytes=1 << 20)
     header = {"prefix_id": "a" * 32, "model_key": "m", "model": "m", "num_ranks": 1, "shard": 0,
-              "tokens": 3, "floor": 0, "state_positions": [], "dtypes": {}, "segments": [[0, 3]]}
+              "tokens": 3, "floor": 0, "state_positions": [], "dtypes": {},
+              "quantized": False, "segments": [[0, 3]]}
     path = store.save(header, {"tokens": np.arange(3, dtype=np.uint32)})
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(store.root.stat().st_mode) == 0o700
@@ -305,7 +306,8 @@ def test_the_least_recently_used_files_go_first(tmp_path):
     paths = []
     for i in range(5):
         header = {"prefix_id": f"{i:032x}", "model_key": "m", "model": "m", "num_ranks": 2, "shard": 0,
-                  "tokens": 900, "floor": 0, "state_positions": [], "dtypes": {}, "segments": []}
+                  "tokens": 900, "floor": 0, "state_positions": [], "dtypes": {},
+              "quantized": False, "segments": []}
         paths.append(store.save(header, {"tokens": np.full(900, i, np.uint32)}))
         os.utime(paths[-1], ns=(i * 10**9, i * 10**9))
     store.load(f"{0:032x}", 0, 2, "m")  # used: now the most recent
@@ -323,7 +325,8 @@ def test_the_least_recently_used_files_go_first(tmp_path):
 def test_two_writers_of_one_prefix_leave_one_whole_file(tmp_path):
     store = PrefixStore(tmp_path, max_bytes=1 << 30)
     header = {"prefix_id": "b" * 32, "model_key": "m", "model": "m", "num_ranks": 1, "shard": 0,
-              "tokens": 1 << 20, "floor": 0, "state_positions": [], "dtypes": {}, "segments": []}
+              "tokens": 1 << 20, "floor": 0, "state_positions": [], "dtypes": {},
+              "quantized": False, "segments": []}
     arrays = {"tokens": np.arange(1 << 20, dtype=np.uint32)}
     writers = [threading.Thread(target=store.save, args=(header, arrays)) for _ in range(4)]
     for w in writers:

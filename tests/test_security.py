@@ -149,7 +149,7 @@ MUTATIONS = {
     "source_rank": st.one_of(st.just(0), st.integers(2, (1 << 32) - 1)).map(lambda v: {"source_rank": v}),
     "ring_id": st.text(max_size=40).map(lambda v: {"ring_id": v}),  # never the cluster's uuid hex
     "kind": st.integers(0, 1000).filter(lambda k: k not in VALID_KINDS).map(lambda v: {"kind": v}),
-    "tensor_count": st.sampled_from([0, 9, 1000]).map(lambda v: {"tensor_count": v}),
+    "tensor_count": st.sampled_from([0, 13, 1000]).map(lambda v: {"tensor_count": v}),
     "tensor_index": st.integers(1, 100).map(lambda v: {"tensor_index": v}),
     "chunk": st.tuples(st.integers(0, 50), st.integers(0, 50)).filter(lambda c: c != (0, 1))
     .map(lambda c: {"chunk_index": c[0], "chunk_count": c[1]}),

@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from conftest import DEMO_MODEL
 from ggufs import write_gguf
 from makedocs import write_pdf
 from textual.pilot import Pilot
@@ -23,6 +24,7 @@ from cpchat.cli import main
 from cpchat.client.cluster import Cluster
 from cpchat.client.settings import Settings
 from cpchat.client.transcripts import TranscriptStore
+from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
 from cpchat.smallmodels import write_model
 from cpchat.tui import chat
 from cpchat.tui.app import CpchatApp
@@ -68,10 +70,11 @@ def model(model_dir) -> Path:
 @pytest.fixture
 def make_app(clusters, model, tmp_path) -> Callable[..., CpchatApp]:
     def make(max_tokens: int = 8, cls: type[CpchatApp] = CpchatApp, path: Path | None = None,
-             **kwargs) -> CpchatApp:
-        """An app on the shared cluster of RANKS ranks, with the llama test model or `path` loaded."""
+             kv: KVFormat = FULL_PRECISION, **kwargs) -> CpchatApp:
+        """An app on the shared cluster of RANKS ranks, with the llama test model or `path` loaded (its
+        K/V kept as `kv` says)."""
         path = path or model
-        cluster = clusters.get(RANKS, path)
+        cluster = clusters.get(RANKS, path, kv=kv)
         return cls(Settings(max_tokens=max_tokens, seed=1), cluster=cluster, model_path=str(path),
                          transcripts=tmp_path / "transcripts", **kwargs)
 
@@ -710,3 +713,16 @@ async def test_a_hybrid_model_shows_its_state_and_how_linear_layers_ran(make_app
         await until(pilot, lambda: all(r.stats.state_bytes > 0 for r in rows), what="state bytes")
         assert all("state " in str(r.render()) for r in rows)
         assert "layers linear (gated_delta_update)" in str(app.query_one("#ring-reason").render())
+
+
+async def test_quantized_kv_shows_its_packed_bytes(make_app):
+    """--kv-bits 4: the Ranks panel says so and shows each rank's packed K/V bytes (the demo model: 6 layers
+    of 6 heads, 32 wide, keys and values at half a byte a value and a float32 scale and bias per 32)."""
+    app = make_app(max_tokens=4, path=DEMO_MODEL, kv=KVFormat(4, 32, 0))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Where is the lighthouse?")
+        rows = list(app.query(RankRow))
+        await until(pilot, lambda: all(r.stats.kv_tokens > 0 for r in rows), what="K/V in every row")
+        assert app.query_one("#ranks").border_subtitle == "K/V 4-bit"
+        assert all(r.stats.kv_bytes == r.stats.kv_tokens * 6 * 2 * 6 * 32 * 0.75 for r in rows)

@@ -20,9 +20,13 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=16)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--text", action="store_true", help="a prompt of prose (document_ids), not random ids")
+    p.add_argument("--kv-bits", type=int, default=0)
+    p.add_argument("--kv-group-size", type=int, default=64)
+    p.add_argument("--quantized-kv-start", type=int, default=5000)
     args = p.parse_args()
 
     import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
     from cpchat.blas import in_use
@@ -30,11 +34,14 @@ def main() -> None:
     model, tokenizer = mlx_lm.load(args.model)
     vocab = len(tokenizer.vocab)
     ids = document_ids(tokenizer, args.context) if args.text else prompt_ids(vocab, args.context)
+    kv = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
+          "quantized_kv_start": args.quantized_kv_start} if args.kv_bits else {}
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         t_first = last = None
+        cache = make_prompt_cache(model)
         for r in mlx_lm.stream_generate(
-            model, tokenizer, ids, max_tokens=args.decode, sampler=make_sampler(0.0)
+            model, tokenizer, ids, max_tokens=args.decode, sampler=make_sampler(0.0), prompt_cache=cache, **kv
         ):
             last = r
             t_first = t_first or time.perf_counter()
@@ -45,6 +52,7 @@ def main() -> None:
                     "prefill_tokens_per_s": last.prompt_tps,
                     "decode_tokens_per_s": last.generation_tps,
                     "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                    "kv_bytes": sum(c.nbytes for c in cache),
                     "blas": in_use().label,
                 }
             ),

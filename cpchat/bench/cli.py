@@ -21,6 +21,7 @@ from cpchat.client.cluster import TRANSPORTS
 from cpchat.client.launcher import rank_environment
 from cpchat.client.settings import REPO_ASSETS
 from cpchat.core.algorithms import ALGORITHMS
+from cpchat.core.quantized_kv import GROUP_SIZES, QUANTIZED_KV_START
 
 DESCRIPTION = """The benchmark driver: generation over growing contexts for N ranks next to
 mlx-lm, the ring transport next to mx.distributed, a Markdown table and a chart.
@@ -55,6 +56,11 @@ def parser() -> argparse.ArgumentParser:
                                       f"with --prefix-cache {PREFIX_CACHE_DEFAULTS['contexts']})")
     p.add_argument("--ranks", help=f"comma-separated rank counts (default {DEFAULTS['ranks']}; with "
                                    f"--prefix-cache {PREFIX_CACHE_DEFAULTS['ranks']})")
+    p.add_argument("--kv-bits", default="0", metavar="LIST",
+                   help="K/V formats to measure, cpchat's and mlx-lm's alike: a comma list of 0 (the model's "
+                        "dtype), 8 and 4 (default 0)")
+    p.add_argument("--kv-group-size", type=int, default=64, choices=GROUP_SIZES)
+    p.add_argument("--quantized-kv-start", type=int, default=QUANTIZED_KV_START, metavar="S")
     p.add_argument("--decode", type=int, default=16, help="tokens to generate per run")
     p.add_argument("--repeats", type=int,
                    help=f"runs of each measurement: TTFT keeps the best, the transport rows the median "

@@ -26,6 +26,7 @@ from cpchat.client.cluster import TRANSPORTS, Cluster
 from cpchat.client.events import Done, Prefill
 from cpchat.client.launcher import rank_environment
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
+from cpchat.core.quantized_kv import BITS, FULL_PRECISION, KVFormat
 
 
 @dataclass
@@ -39,6 +40,8 @@ class Row:
     kv_bytes_per_rank: int = 0
     peak_bytes_per_rank: int = 0
     algorithm: str = ""
+    kv_bits: int = 0  # K/V quantized to this many bits (--kv-bits), 0: the model's dtype
+    ring_bytes: int = 0  # sent by all ranks in a pass-KV prefill's last pass (with --kv-bits: quantized)
     hidden_share: float | None = None
     blas: str = ""  # the BLAS that was measured, as the processes report it
     estimate_s: float | None = None  # the prefill time cpchat predicted from the ranks' calibration
@@ -72,16 +75,25 @@ def run_comparison(args, blas_modes: list[str]) -> int:
         print(f"cpchat bench: --data-planes: expected a comma list of {', '.join(TRANSPORTS)}",
               file=sys.stderr)
         return 2
+    try:
+        bits = [int(b) for b in args.kv_bits.split(",")]
+    except ValueError:
+        bits = []
+    formats = [KVFormat(b, args.kv_group_size, args.quantized_kv_start) for b in bits]
+    if not formats or any(f.bits not in (0, *BITS) for f in formats):
+        print("cpchat bench: --kv-bits: expected a comma list of 0, 8 and 4", file=sys.stderr)
+        return 2
     rows: list[Row] = []
     started = time.time()
     for blas_choice in blas_modes:
-        if not args.no_baseline:
-            for context in contexts:
-                rows.append(run_baseline(model, context, args, blas_choice))
-                report_progress(rows[-1])
-        for n in ranks:
-            for data_plane in planes if n > 1 else planes[:1]:
-                rows.extend(run_cpchat(model, n, contexts, args, blas_choice, data_plane))
+        for kv in formats:
+            if not args.no_baseline:
+                for context in contexts:
+                    rows.append(run_baseline(model, context, args, blas_choice, kv))
+                    report_progress(rows[-1])
+            for n in ranks:
+                for data_plane in planes if n > 1 else planes[:1]:
+                    rows.extend(run_cpchat(model, n, contexts, args, blas_choice, data_plane, kv))
     sizes = [int(s) * MB for s in args.transport.split(",") if s]
     transport = run_transport(sizes, args.repeats) if sizes else []
     out = Path(args.out)
@@ -100,7 +112,7 @@ def report_progress(row: Row) -> None:
     )
 
 
-def run_baseline(model: str, context: int, args, blas_choice: str) -> Row:
+def run_baseline(model: str, context: int, args, blas_choice: str, kv: KVFormat = FULL_PRECISION) -> Row:
     """mlx-lm's row: baseline.py in a child with the ranks' BLAS environment."""
     cmd = [
         sys.executable,
@@ -114,11 +126,17 @@ def run_baseline(model: str, context: int, args, blas_choice: str) -> Row:
         str(args.decode),
         "--repeats",
         str(args.repeats),
+        "--kv-bits",
+        str(kv.bits),
+        "--kv-group-size",
+        str(kv.group_size),
+        "--quantized-kv-start",
+        str(kv.start),
     ] + (["--text"] if args.model else [])
     if args.pin:
         cmd = ["taskset", "-c", "0"] + cmd
     done = subprocess.run(cmd, capture_output=True, text=True, env=rank_environment(blas_choice), check=True)
-    row = Row("mlx-lm", 1, context)
+    row = Row("mlx-lm" + _kv_label(kv), 1, context, kv_bits=kv.bits)
     for line in done.stdout.splitlines():
         r = json.loads(line)
         row.blas = r["blas"]
@@ -126,17 +144,22 @@ def run_baseline(model: str, context: int, args, blas_choice: str) -> Row:
         row.prefill_tokens_per_s.append(r["prefill_tokens_per_s"])
         row.decode_tokens_per_s.append(r["decode_tokens_per_s"])
         row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, r["peak_bytes"])
+        row.kv_bytes_per_rank = r["kv_bytes"]
     return row
 
 
-def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, transport: str = "auto"
-               ) -> list[Row]:
+def _kv_label(kv: KVFormat) -> str:
+    return f" kv{kv.bits}" if kv.quantized else ""
+
+
+def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, transport: str = "auto",
+               kv: KVFormat = FULL_PRECISION) -> list[Row]:
     """cpchat's rows on one cluster of n ranks, one per context."""
     cluster = Cluster.launch(n, blas_choice=blas_choice, pin_cpus=args.pin, transport=transport)
     rows = []
     try:
         cluster.connect()
-        cluster.load(model)
+        cluster.load(model, kv_format=kv)
         tokenizer = load_tokenizer(model)
         bandwidth = ring_link(cluster, 16 * MB)[0] if n > 1 else 0.0
         measured_blas = " / ".join(sorted({r.blas_label for r in cluster.ranks}))
@@ -144,8 +167,8 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, 
             ids = document_ids(tokenizer, context) if args.model else prompt_ids(cluster.model.vocab_size,
                                                                                  context)
             plane = f" {cluster.transport_label}" if n > 1 and transport != "auto" else ""
-            system = f"cpchat N={n}{plane}"
-            row = Row(system, n, context, blas=measured_blas,
+            system = f"cpchat N={n}{plane}{_kv_label(kv)}"
+            row = Row(system, n, context, blas=measured_blas, kv_bits=kv.bits,
                       estimate_s=cluster.prefill_cost.seconds(context, 0, n))
             for _ in range(args.repeats):
                 cluster.reset(0)
@@ -169,7 +192,7 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, 
                 stats = cluster.stats_once()
                 row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, max(s.peak_rss_bytes for s in stats))
             if n > 1 and not args.no_overlap:
-                row.hidden_share = hidden_share(cluster, ids, args, bandwidth)
+                row.hidden_share, row.ring_bytes = hidden_share(cluster, ids, args, bandwidth)
             rows.append(row)
             report_progress(row)
     finally:
@@ -177,9 +200,10 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, 
     return rows
 
 
-def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> float:
+def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> tuple[float, int]:
     """Share of pass-KV transfer time hidden behind compute in a prefill: 1 - waited / transfer,
-    where transfer is each received block's bytes over the measured ring bandwidth."""
+    where transfer is each received block's bytes over the measured ring bandwidth; and the bytes
+    the ranks sent."""
     cluster.reset(0)
     session = Session(
         cluster,
@@ -190,7 +214,8 @@ def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> fl
     )
     list(session._generate(ids))
     waited = transfer = 0.0
-    for stats in cluster.stats_once():
+    every = cluster.stats_once()
+    for stats in every:
         sent = {(t.layer, t.step): t.bytes_sent for t in stats.ring_steps}
         for t in stats.ring_steps:
             if t.step == 0:
@@ -198,13 +223,16 @@ def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> fl
             received = sent.get((t.layer, t.step - 1), 0)  # the block we forward is the one we received
             waited += t.wait_ms / 1000
             transfer += (received or sent.get((t.layer, 0), 0)) / bandwidth
-    return max(0.0, 1.0 - waited / transfer) if transfer else 0.0
+    sent = sum(t.bytes_sent for s in every for t in s.ring_steps)
+    return (max(0.0, 1.0 - waited / transfer) if transfer else 0.0), sent
 
 
 def write_report(out: Path, rows: list[Row], transport: list[dict], args, model: str, seconds: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
     command = "cpchat bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
-    base = {(r.context, r.blas): r for r in rows if r.system == "mlx-lm"}
+    base = {(r.context, r.blas, r.kv_bits): r for r in rows if r.system.startswith("mlx-lm")}
+    plain = {(r.system.removesuffix(_kv_label(KVFormat(r.kv_bits))), r.context, r.blas): r
+             for r in rows if not r.kv_bits}
     lines = [
         "# cpchat bench",
         "",
@@ -218,11 +246,15 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         lines += [
             "",
             "| system | BLAS | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s | vs mlx-lm "
-            "| KV MiB/rank | peak MiB/rank | hidden comm | state combine | prefill estimate |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| KV MiB/rank | vs kv none | ring MiB | peak MiB/rank | hidden comm | state combine "
+            "| prefill estimate |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
     for r in rows:
-        b = base.get((r.context, r.blas))
+        b = base.get((r.context, r.blas, r.kv_bits))
+        p = plain.get((r.system.removesuffix(_kv_label(KVFormat(r.kv_bits))), r.context, r.blas))
+        kv_ratio = f"{r.kv_bytes_per_rank / p.kv_bytes_per_rank:.3f}×" \
+            if r.kv_bits and p and p.kv_bytes_per_rank else ""
         pre_ratio = f"{r.best('prefill_tokens_per_s') / b.best('prefill_tokens_per_s'):.2f}×" if b else ""
         dec_ratio = f"{r.best('decode_tokens_per_s') / b.best('decode_tokens_per_s'):.2f}×" if b else ""
         hidden = f"{100 * r.hidden_share:.0f}%" if r.hidden_share is not None else ""
@@ -234,7 +266,7 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         lines.append(
             f"| {r.system} | {r.blas} | {r.context} | {r.best('ttft_ms'):.0f} "
             f"| {r.best('prefill_tokens_per_s'):.0f} | {pre_ratio} | {r.best('decode_tokens_per_s'):.1f} "
-            f"| {dec_ratio} | {r.kv_bytes_per_rank / MB:.1f} "
+            f"| {dec_ratio} | {r.kv_bytes_per_rank / MB:.1f} | {kv_ratio} | {r.ring_bytes / MB:.1f} "
             f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} | {combine} | {estimate} |"
         )
     if transport:

@@ -29,6 +29,7 @@ from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks, r
 from cpchat.client.prefixes import PrefixChoice, PrefixGone, PrefixLoaded, SavedPrefix
 from cpchat.core.algorithms import BY_NAME
 from cpchat.core.estimate import PrefillCost
+from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
 from cpchat.errors import BackendError, BadInput
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
@@ -60,6 +61,7 @@ class ServedModel:
     head_dim: int = 0
     value_dim: int = 0
     state_layers: int = 0  # of num_layers, those with a recurrent state instead of K/V
+    kv_format: KVFormat = FULL_PRECISION  # how the ranks keep K/V (--kv-bits)
 
 
 @dataclass
@@ -341,8 +343,11 @@ class Cluster:
         return (f"{who} with the reference BLAS of the mlx[cpu] wheel, 20-30x slower than "
                 f"OpenBLAS; install a fast one and restart: {slow[0].blas.fix}")
 
-    def load(self, model: str, on_progress: Callable[[int, int], None] | None = None) -> ServedModel:
-        """Load the model on every rank (each from its own disk)."""
+    def load(self, model: str, on_progress: Callable[[int, int], None] | None = None,
+             kv_format: KVFormat = FULL_PRECISION) -> ServedModel:
+        """Load the model on every rank (each from its own disk), its K/V kept in `kv_format`."""
+        request = pb.LoadModelRequest(model=model, kv_bits=kv_format.bits, kv_group_size=kv_format.group_size,
+                                      quantized_kv_start=kv_format.start)
         done = [0]
         lock = threading.Lock()
 
@@ -350,7 +355,7 @@ class Cluster:
             r.state = "loading"
             last = None
             try:
-                for progress in r.control.LoadModel(pb.LoadModelRequest(model=model), metadata=self.metadata):
+                for progress in r.control.LoadModel(request, metadata=self.metadata):
                     last = progress
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
@@ -368,7 +373,7 @@ class Cluster:
         p = self._each(load_one)[0]
         self.model = ServedModel(model, p.model_type, p.num_layers, p.num_q_heads, p.num_kv_heads,
                                p.vocab_size, p.bytes_per_element, p.max_context, p.head_dim, p.value_dim,
-                               p.state_layers)
+                               p.state_layers, KVFormat(p.kv_bits, p.kv_group_size, kv_format.start))
         self.calibrate()
         return self.model
 

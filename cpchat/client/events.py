@@ -25,6 +25,7 @@ class Ready:
     ranks: list[RankAddress]
     version: str = __version__  # cpchat's
     transport: str = ""  # how tensors travel between the ranks: "mlx", "shm", "grpc", or a mix "shm+grpc"
+    kv_bits: int = 0  # K/V quantized to this many bits (--kv-bits); 0: the model's dtype
 
 
 @dataclass

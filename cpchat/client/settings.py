@@ -25,6 +25,7 @@ from cpchat.checkpoints.ollama import is_ollama
 from cpchat.checkpoints.resolve import is_checkpoint, local_gguf
 from cpchat.client.hub import is_hub_id
 from cpchat.core.algorithms import ALGORITHMS
+from cpchat.core.quantized_kv import BITS, GROUP_SIZES, QUANTIZED_KV_START, KVFormat
 from cpchat.dirs import PREFIX_CACHE_GB, cache_dir, config_dir, data_dir
 from cpchat.errors import BadInput
 
@@ -53,6 +54,9 @@ class Settings:
     cache: bool = True  # the prefix cache: ranks save conversations on disk and later sessions reuse them
     cache_dir: str = ""  # where local ranks keep it ("": <user cache dir>/cpchat/prefix)
     cache_max_gb: float = PREFIX_CACHE_GB  # per rank
+    kv_bits: int = 0  # K/V quantized to 4 or 8 bits (mlx-lm's --kv-bits); 0: the model's dtype
+    kv_group_size: int = 64
+    quantized_kv_start: int = QUANTIZED_KV_START
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -80,6 +84,9 @@ _CASTS = {
     "cache": _flag,
     "cache_dir": str,
     "cache_max_gb": float,
+    "kv_bits": int,
+    "kv_group_size": int,
+    "quantized_kv_start": int,
 }
 
 
@@ -95,6 +102,12 @@ def _set(settings: Settings, key: str, value: object, source: str) -> None:
         raise BadInput(f"setting blas from {source}: {value!r} is not {', '.join(blas.CHOICES)}")
     if key == "cache_max_gb" and value < 0:
         raise BadInput(f"setting cache_max_gb from {source}: cannot be negative")
+    if key == "kv_bits" and value not in (0, *BITS):
+        raise BadInput(f"setting kv_bits from {source}: {value} is not 0 (off), 4 or 8")
+    if key == "kv_group_size" and value not in GROUP_SIZES:
+        raise BadInput(f"setting kv_group_size from {source}: {value} is not 32, 64 or 128")
+    if key == "quantized_kv_start" and value < 0:
+        raise BadInput(f"setting quantized_kv_start from {source}: cannot be negative")
     if key == "ranks" and value < 1:
         raise BadInput(f"setting ranks from {source}: must be at least 1")
     setattr(settings, key, value)
@@ -130,11 +143,18 @@ def resolve_settings(args: argparse.Namespace, config_file: Path | None = None) 
         "cache": False if args.no_cache else None,
         "cache_dir": args.cache_dir,
         "cache_max_gb": args.cache_max_gb,
+        "kv_bits": args.kv_bits,
+        "kv_group_size": args.kv_group_size,
+        "quantized_kv_start": args.quantized_kv_start,
     }
     for key, value in flags.items():
         if value is not None:
             _set(settings, key, value, "flag --" + key.replace("_", "-"))
     return settings
+
+
+def kv_format(settings: Settings) -> KVFormat:
+    return KVFormat(settings.kv_bits, settings.kv_group_size, settings.quantized_kv_start)
 
 
 def rank_flags(settings: Settings) -> list[str]:

@@ -15,6 +15,10 @@ class RanksPanel(VerticalGroup):
     """Keeps a RankRow per rank in ring order; fed with RankStats by the chat screen."""
 
     largest: reactive[tuple[int, int, int]] = reactive((0, 0, 0))  # ranks, the most KV tokens and bytes
+    kv_bits: reactive[int] = reactive(0)  # K/V quantized to this many bits (--kv-bits), 0: not
+
+    def watch_kv_bits(self, bits: int) -> None:
+        self.border_subtitle = f"K/V {bits}-bit" if bits else ""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

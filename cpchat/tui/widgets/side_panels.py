@@ -31,6 +31,7 @@ class SidePanels(VerticalScroll):
         await self.ranks.set_ranks([RankStats(r.rank, r.address, "ready", blas=r.blas, slow_blas=r.slow_blas)
                                     for r in message.ranks])
         self.throughput.context_max = message.model.max_context
+        self.ranks.kv_bits = message.model.kv_format.bits
         self.ring.transport = message.transport
 
     def show_stats(self, stats: RankStats) -> None:
