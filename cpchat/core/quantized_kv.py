@@ -87,11 +87,19 @@ class Packed:
                              group_size=self.group_size, bits=self.bits)
 
 
+KV = mx.array | Packed  # keys or values [1, H, n, D], full precision or quantized
+
+
+def arrays_of(x: KV) -> list[mx.array]:
+    """What K or V is made of: itself, or its words, scales and biases."""
+    return x.arrays if isinstance(x, Packed) else [x]
+
+
 def quantize(x: mx.array, fmt: KVFormat) -> Packed:
     return Packed(*mx.quantize(x, group_size=fmt.group_size, bits=fmt.bits), fmt.bits, fmt.group_size)
 
 
-def concatenate(parts: list[mx.array | Packed], axis: int) -> mx.array | Packed:
+def concatenate(parts: list[KV], axis: int) -> KV:
     """Blocks of tokens joined, all full precision or all quantized alike."""
     if isinstance(parts[0], Packed):
         joined = [mx.concatenate([p.arrays[i] for p in parts], axis=axis) for i in range(3)]
@@ -99,16 +107,16 @@ def concatenate(parts: list[mx.array | Packed], axis: int) -> mx.array | Packed:
     return mx.concatenate(parts, axis=axis)
 
 
-def apply(x: mx.array | Packed, f) -> mx.array | Packed:
+def apply(x: KV, f) -> KV:
     """`f` (a slice or a take along the token or head axis) of full-precision or quantized K/V."""
     return x.map(f) if isinstance(x, Packed) else f(x)
 
 
-def take(x: mx.array | Packed, index: mx.array, axis: int) -> mx.array | Packed:
+def take(x: KV, index: mx.array, axis: int) -> KV:
     return apply(x, lambda a: mx.take(a, index, axis=axis))
 
 
-def full_precision(x: mx.array | Packed) -> mx.array:
+def full_precision(x: KV) -> mx.array:
     return x.dequantize() if isinstance(x, Packed) else x
 
 

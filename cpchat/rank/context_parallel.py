@@ -24,7 +24,7 @@ import numpy as np
 
 from cpchat.core.algorithms import BY_NAME
 from cpchat.core.attention import add_sink, partial_attention
-from cpchat.core.quantized_kv import Packed, full_precision
+from cpchat.core.quantized_kv import KV, Packed, arrays_of, full_precision
 from cpchat.rank.algorithms import attend_function
 from cpchat.rank.fit import AttentionCall, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
@@ -33,7 +33,6 @@ from cpchat.rank.transport.ring import Ring
 from cpchat.rank.transport.wire import BlockKey, block_nbytes
 
 Partial = tuple[mx.array, mx.array]  # (out [1, H, L, Dv] float32, lse [1, H, L]): cpchat.core.attention
-KV = mx.array | Packed  # keys or values [1, H, n, D], full precision or quantized
 
 
 @dataclass
@@ -150,11 +149,21 @@ class RingPass:
         timing.wait_ms += 1000 * waited
         return tensors
 
-    def take_kv(self, timing: StepTiming, key: BlockKey, source: int | None = None, skip: int = 0
+    def take_kv(self, timing: StepTiming, key: BlockKey, source: int | None = None
                 ) -> tuple[KV, KV, np.ndarray] | None:
-        """A K/V block (as `kv_block` sent it, after `skip` other arrays): None if it holds no keys."""
-        arrays = self.take(timing, key, source)[skip:]
-        return read_kv_block(arrays, self.kv.format.bits, self.kv.format.group_size)
+        """A K/V block, as `kv_block` sent it: None if it holds no keys."""
+        return self.read_kv(self.take(timing, key, source))
+
+    def read_kv(self, arrays: list[mx.array]) -> tuple[KV, KV, np.ndarray] | None:
+        """What `kv_block` made, back: None for a block of no keys."""
+        positions = np.asarray(arrays[-1])
+        if positions.size == 0:
+            return None
+        if len(arrays) == 3:
+            return arrays[0], arrays[1], positions
+        fmt = self.kv.format
+        k, v = (Packed(*arrays[i:i + 3], fmt.bits, fmt.group_size) for i in (0, 3))
+        return k, v, positions
 
     def send(self, timing: StepTiming, key: BlockKey, tensors: list[mx.array], to: list[int] | None = None
              ) -> None:
@@ -231,19 +240,4 @@ def kv_block(q: mx.array, k: KV | None, v: KV | None, k_pos: np.ndarray) -> list
     if k is None or len(k_pos) == 0:
         shape = (1, 1, 0, q.shape[-1])
         return [mx.zeros(shape, q.dtype), mx.zeros(shape, q.dtype), mx.zeros((0,), mx.int32)]
-    return [*_arrays(k), *_arrays(v), mx.array(k_pos)]
-
-
-def read_kv_block(arrays: list[mx.array], bits: int, group_size: int) -> tuple[KV, KV, np.ndarray] | None:
-    """What `kv_block` made, back: None for a block of no keys."""
-    positions = np.asarray(arrays[-1])
-    if positions.size == 0:
-        return None
-    if len(arrays) == 3:
-        return arrays[0], arrays[1], positions
-    k, v = (Packed(*arrays[i:i + 3], bits, group_size) for i in (0, 3))
-    return k, v, positions
-
-
-def _arrays(x: KV) -> list[mx.array]:
-    return x.arrays if isinstance(x, Packed) else [x]
+    return [*arrays_of(k), *arrays_of(v), mx.array(k_pos)]

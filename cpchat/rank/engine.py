@@ -593,6 +593,7 @@ class Engine:
                 self.cache.discard(self.cache.path(prefix, s, num_ranks))
             raise CacheMiss(f"removed prefix {prefix}: its arrays do not fit this model ({e})") from None
         self.total_tokens = tokens
+        self.unread = None
         self.tokens = shards[0][1]["tokens"][:tokens].copy()
         self.segments = [tuple(s) for s in header["segments"] if s[0] < tokens] if same else [(0, tokens)]
         self.keep_floor = max(h["floor"] for h, _ in shards)

@@ -15,10 +15,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat, Packed, apply, quantize, take
+from cpchat.core.quantized_kv import FULL_PRECISION, KV, KVFormat, Packed, apply, arrays_of, quantize, take
 
 GROW = 256
-KV = mx.array | Packed
 
 
 class KVShard:
@@ -46,7 +45,7 @@ class KVShard:
             for n, k, v in zip(self._lengths, self.keys, self.values)
             for kv in (k, v)
             if kv is not None
-            for a in _parts(kv)
+            for a in arrays_of(kv)
         )
 
     def begin_append(self, positions: np.ndarray) -> None:
@@ -65,7 +64,7 @@ class KVShard:
             self.keys[layer] = _grown(buf, keys, start, capacity)
             self.values[layer] = _grown(self.values[layer], values, start, capacity)  # MLA: own size
         for buf, new in ((self.keys[layer], keys), (self.values[layer], values)):
-            for b, a in zip(_parts(buf), _parts(new), strict=True):
+            for b, a in zip(arrays_of(buf), arrays_of(new), strict=True):
                 b[..., start : start + n_new, :] = a
         self._lengths[layer] = start + n_new
 
@@ -82,7 +81,7 @@ class KVShard:
         mx.eval(self._arrays())
 
     def _arrays(self) -> list[mx.array]:
-        return [a for kv in self.keys + self.values if kv is not None for a in _parts(kv)]
+        return [a for kv in self.keys + self.values if kv is not None for a in arrays_of(kv)]
 
     def commit(self) -> None:
         """The forward finished: its K/V are computed and its positions belong to the shard."""
@@ -142,13 +141,9 @@ class KVShard:
             index = mx.array(np.flatnonzero(keep))
             self.keys[layer] = take(_head(self.keys[layer], n), index, axis=2)
             self.values[layer] = take(_head(self.values[layer], n), index, axis=2)
-            mx.eval(_parts(self.keys[layer]), _parts(self.values[layer]))
+            mx.eval(arrays_of(self.keys[layer]), arrays_of(self.values[layer]))
         self._layer_positions[layer] = self._layer_positions[layer][keep]
         self._lengths[layer] = len(self._layer_positions[layer])
-
-
-def _parts(x: KV) -> list[mx.array]:
-    return x.arrays if isinstance(x, Packed) else [x]
 
 
 def _head(x: KV, n: int) -> KV:
@@ -160,6 +155,6 @@ def _grown(buf: KV | None, like: KV, used: int, capacity: int) -> KV:
     """A buffer of `capacity` tokens shaped like `like`, holding the first `used` tokens of `buf`."""
     grown = apply(like, lambda a: mx.zeros((1, a.shape[1], capacity, a.shape[3]), a.dtype))
     if buf is not None and used:
-        for g, b in zip(_parts(grown), _parts(buf), strict=True):
+        for g, b in zip(arrays_of(grown), arrays_of(buf), strict=True):
             g[..., :used, :] = b[..., :used, :]
     return grown

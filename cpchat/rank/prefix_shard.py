@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from cpchat.core.quantized_kv import KVFormat, Packed, concatenate, take
-from cpchat.rank.kvstore import KV, KVShard
+from cpchat.core.quantized_kv import KV, KVFormat, Packed, concatenate, take
+from cpchat.rank.kvstore import KVShard
 from cpchat.rank.statestore import LayerState, StateStore
 from cpchat.rank.transport.wire import DTYPES
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from cpchat.core.quantized_kv import apply, concatenate, take
+from cpchat.core.quantized_kv import KV, apply, concatenate, take
 from cpchat.core.sharding import head_split
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank.context_parallel import KV, LayerCall, Partial, RingPass, kv_block, read_kv_block
+from cpchat.rank.context_parallel import LayerCall, Partial, RingPass, kv_block
 
 
 def attend(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.array | None,
@@ -44,7 +44,7 @@ def attend(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx
         for r in rp.ring.peers:
             block = rp.take(timing, heads_key, r)
             queries[r] = block[0], np.asarray(block[1])
-            keys[r] = read_kv_block(block[2:], rp.kv.format.bits, rp.kv.format.group_size)
+            keys[r] = rp.read_kv(block[2:])
         gq = mx.concatenate([b[0] for b in queries], axis=2)
         gq_pos = np.concatenate([b[1] for b in queries])
         with_keys = [b for b in keys if b is not None]
