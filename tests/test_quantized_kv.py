@@ -239,12 +239,12 @@ def test_headless_kv_bits(tmp_path):
 
 def test_settings_take_kv_bits(tmp_path):
     from cpchat.cli import app_parser
-    from cpchat.client.settings import kv_format, resolve_settings
+    from cpchat.client.settings import resolve_settings
 
     config = tmp_path / "config.toml"
     config.write_text("kv_bits = 8\nkv_group_size = 32\n")
     settings = resolve_settings(app_parser().parse_args(["--quantized-kv-start", "100"]), config)
-    assert kv_format(settings) == KVFormat(8, 32, 100)
+    assert settings.kv_format == KVFormat(8, 32, 100)
     assert settings.sources["kv_bits"] == str(config)
     config.write_text("kv_bits = 5\n")
     with pytest.raises(BadInput, match="kv_bits"):

@@ -15,7 +15,7 @@ from cpchat.client.cluster import Cluster
 from cpchat.client.connect import ClusterOptions, connect_cluster
 from cpchat.client.hub import front_end_copy
 from cpchat.client.session import Message, SamplingOptions, Session, load_tokenizer
-from cpchat.client.settings import Settings, kv_format, rank_flags, resolve_model
+from cpchat.client.settings import Settings, rank_flags, resolve_model
 from cpchat.errors import BackendError, BadInput
 
 Report = Callable[[str, int, int], None]
@@ -126,6 +126,6 @@ class Frontend:
         assert self.cluster is not None
         report("load", 0, self.cluster.size)
         self.cluster.load(model_path, on_progress=lambda done, total: report("load", done, total),
-                          kv_format=kv_format(self.settings))
+                          kv_format=self.settings.kv_format)
         if self.session is not None:
             self.session.attach(self.cluster)  # a load empties the ranks' KV: the next turn re-reads all

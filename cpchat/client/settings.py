@@ -59,6 +59,10 @@ class Settings:
     quantized_kv_start: int = QUANTIZED_KV_START
     sources: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def kv_format(self) -> KVFormat:
+        return KVFormat(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
+
 
 def _flag(value: object) -> bool:
     """A TOML boolean, or true/false, yes/no, on/off, 1/0 from the environment."""
@@ -151,10 +155,6 @@ def resolve_settings(args: argparse.Namespace, config_file: Path | None = None) 
         if value is not None:
             _set(settings, key, value, "flag --" + key.replace("_", "-"))
     return settings
-
-
-def kv_format(settings: Settings) -> KVFormat:
-    return KVFormat(settings.kv_bits, settings.kv_group_size, settings.quantized_kv_start)
 
 
 def rank_flags(settings: Settings) -> list[str]:
