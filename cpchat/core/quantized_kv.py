@@ -41,10 +41,6 @@ class KVFormat:
             return float(dtype_bytes)
         return self.bits / 8 + 2 * dtype_bytes / self.group_size
 
-    def describe(self) -> str:
-        return f"{self.bits}-bit K/V (groups of {self.group_size}, from token {self.start})" \
-            if self.quantized else "K/V in the model's dtype"
-
 
 FULL_PRECISION = KVFormat()
 
@@ -67,14 +63,6 @@ class Packed:
     @property
     def shape(self) -> tuple[int, ...]:
         return (*self.scales.shape[:-1], self.scales.shape[-1] * self.group_size)
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        return self.scales.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays)
 
     def map(self, f) -> Packed:
         """The same tokens' words, scales and biases each through `f` (a slice, a take, a copy)."""
