@@ -56,6 +56,8 @@ class Packed:
     bits: int
     group_size: int
 
+    PARTS = ("words", "scales", "biases")  # the arrays' names, in `arrays` order
+
     @property
     def arrays(self) -> list[mx.array]:
         return [self.words, self.scales, self.biases]

@@ -111,7 +111,7 @@ class RingPass:
         q = _flatten_rows(queries)
         k, v, k_pos = self.kv.layer(layer)
         if self.ring.size > 1:  # blocks must be concrete before they travel
-            mx.eval(q, kv_block(q, k, v, k_pos))
+            mx.eval(q, *(arrays_of(x) for x in (k, v) if x is not None))
         out, lse = attend_function(BY_NAME[self.algorithm])(self, call, q, k, v, k_pos)
         if sinks is not None:
             out = add_sink(out, lse, sinks)

@@ -123,7 +123,7 @@ def _join(before: tuple[mx.array, mx.array, np.ndarray], now: tuple[mx.array, mx
 def _named(name: str, x: KV) -> list[tuple[str, mx.array]]:
     """The arrays of a layer's keys or values, under the names the file gives them."""
     if isinstance(x, Packed):
-        return [(f"{name}.words", x.words), (f"{name}.scales", x.scales), (f"{name}.biases", x.biases)]
+        return [(f"{name}.{part}", a) for part, a in zip(Packed.PARTS, x.arrays, strict=True)]
     return [(name, x)]
 
 
@@ -131,9 +131,9 @@ def _kv(header: dict, arrays: dict[str, np.ndarray], name: str, keep, quantized:
         ) -> KV:
     """A layer's keys or values from the file, the tokens of `keep` (a mask or a slice)."""
     if quantized:
-        words, scales, biases = (_array(header, f"{name}.{part}", arrays[f"{name}.{part}"][:, :, keep])
-                                 for part in ("words", "scales", "biases"))
-        return Packed(words, scales, biases, kv_format.bits, kv_format.group_size)
+        parts = [f"{name}.{part}" for part in Packed.PARTS]
+        return Packed(*(_array(header, n, arrays[n][:, :, keep]) for n in parts), kv_format.bits,
+                      kv_format.group_size)
     return _array(header, name, arrays[name][:, :, keep])
 
 

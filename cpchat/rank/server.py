@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cpchat import blas
 from cpchat.checkpoints import CheckpointError
-from cpchat.core.quantized_kv import KVFormat
+from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 from cpchat.protocol.channel import SERVER_KEEPALIVE, TokenCheck, open_channel, token_metadata
@@ -350,7 +350,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             self.s.activity, self.s.state = "loading a model", "loading"
             yield pb.LoadProgress(stage="loading")
             try:
-                kv_format = KVFormat(request.kv_bits, request.kv_group_size or 64, request.quantized_kv_start)
+                kv_format = KVFormat(request.kv_bits, request.kv_group_size or FULL_PRECISION.group_size,
+                                     request.quantized_kv_start)
                 info = self.s.on_mlx(self.s.engine.load, request.model, kv_format)
             except UnsupportedModel as e:
                 self.s.state = "ready" if self.s.engine.model is not None else "idle"  # the old model stays
