@@ -37,6 +37,7 @@ class BlasInfo:
     name: str  # "OpenBLAS" | "oneMKL" | "BLIS" | "Accelerate" | "reference" | "unknown"
     version: str
     library: str  # the file that provides cblas_sgemm
+    threads: int = 1  # the threads its products run on, as the library reports (1 where it cannot)
 
     @property
     def reference(self) -> bool:
@@ -110,9 +111,29 @@ def preload_environment(choice: str, env: dict[str, str] | None = None) -> dict[
     return env
 
 
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which --cpu and taskset narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def shared_threads(sharing: int, cores: int | None = None) -> int:
+    """BLAS threads for each of `sharing` processes that share this machine's cores: at least one."""
+    return max(1, (usable_cores() if cores is None else cores) // max(1, sharing))
+
+
+def thread_environment(threads: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: ours) with every BLAS (MLX's, numpy's, OpenMP's) set to `threads` threads: the
+    libraries read these once, when they load."""
+    return dict(os.environ if env is None else env) | {name: str(threads) for name in THREAD_VARIABLES}
+
+
 def rerun_preloaded(module: str, argv: list[str], env: dict[str, str]) -> None:
-    """Re-execute `python -m module *argv` in `env`, unless this process already has its preload."""
-    if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
+    """Re-execute `python -m module *argv` in `env`, unless this process already has its preload
+    and BLAS threads."""
+    if any(env.get(name) != os.environ.get(name) for name in ("LD_PRELOAD", *THREAD_VARIABLES)):
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
 
@@ -138,13 +159,14 @@ def describe(library: str) -> BlasInfo:
         lib.openblas_get_config.restype = ctypes.c_char_p
         lib.openblas_get_corename.restype = ctypes.c_char_p
         version = lib.openblas_get_config().decode().split()[1]
-        return BlasInfo("OpenBLAS", f"{version} {lib.openblas_get_corename().decode()}", library)
+        return BlasInfo("OpenBLAS", f"{version} {lib.openblas_get_corename().decode()}", library,
+                        lib.openblas_get_num_threads())
     if lib is not None and hasattr(lib, "MKL_Get_Version_String"):
         buf = ctypes.create_string_buffer(256)
         lib.MKL_Get_Version_String(buf, len(buf))
         words = buf.value.decode().split()
         version = words[words.index("Version") + 1] if "Version" in words else ""
-        return BlasInfo("oneMKL", version.split("-")[0], library)
+        return BlasInfo("oneMKL", version.split("-")[0], library, lib.MKL_Get_Max_Threads())
     if lib is not None and hasattr(lib, "bli_info_get_version_str"):
         lib.bli_info_get_version_str.restype = ctypes.c_char_p
         return BlasInfo("BLIS", lib.bli_info_get_version_str().decode(), library)

@@ -56,6 +56,7 @@ def app_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="headless output as JSON lines")
     p.add_argument("--blas", choices=blas.CHOICES,
                    help="BLAS of the local ranks (Linux): auto takes the fastest installed (default)")
+    add_threads_flag(p)
     p.add_argument("--progress", action="store_true",
                    help="headless plain output: report prefill progress on stderr")
     p.add_argument("--resume", nargs="?", const="last", default=None, metavar="ID",
@@ -80,8 +81,25 @@ def rank_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", type=int, help="pin this rank to one CPU core")
     p.add_argument("--blas", choices=blas.CHOICES, default="auto",
                    help="the BLAS for CPU products (Linux): auto takes the fastest installed (default)")
+    add_threads_flag(p)
+    p.add_argument("--ranks-here", type=int, default=1, metavar="K",
+                   help="ranks started on this machine together: without --threads, each takes an "
+                        "equal share of the cores (default 1: all of them)")
     add_cache_flags(p)
     return p
+
+
+def add_threads_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="BLAS threads per rank (default: the cores shared out between the ranks of a "
+                        "machine, at least one each)")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text}")
+    return value
 
 
 def add_kv_flags(p: argparse.ArgumentParser) -> None:
@@ -166,9 +184,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def use_blas(choice: str, argv: list[str]) -> None:
-    """Re-execute this rank with the chosen BLAS preloaded, unless it already is (see cpchat/blas.py)."""
-    blas.rerun_preloaded("cpchat", ["rank", *argv], blas.preload_environment(choice))
+def use_blas(choice: str, threads: int, argv: list[str]) -> None:
+    """Re-execute this rank with the chosen BLAS preloaded and its threads set, unless it already
+    has them (see cpchat/blas.py)."""
+    env = blas.thread_environment(threads, blas.preload_environment(choice))
+    blas.rerun_preloaded("cpchat", ["rank", *argv], env)
 
 
 def run_rank(argv: list[str]) -> int:
@@ -176,12 +196,12 @@ def run_rank(argv: list[str]) -> int:
 
     args = rank_parser().parse_args(argv)
     try:
-        use_blas(args.blas, argv)
+        if args.cpu is not None:
+            os.sched_setaffinity(0, {args.cpu})
+        use_blas(args.blas, args.threads or blas.shared_threads(args.ranks_here), argv)
         token = read_token(args.token_file) if args.token_file else None
         if not is_loopback(args.host) and token is None:
             raise UsageError(f"binding {args.host} needs --token-file: ranks off loopback must authenticate")
-        if args.cpu is not None:
-            os.sched_setaffinity(0, {args.cpu})
         if bool(args.tls_cert) != bool(args.tls_key):
             raise UsageError("--tls-cert and --tls-key go together")
         if args.tls_cert and not args.tls_ca:

@@ -111,7 +111,7 @@ def run_headless(args: argparse.Namespace, options: ClusterOptions) -> int:
         cluster = front.cluster
         assert cluster is not None
         out.event(Ready(settings.model or "demo",
-                        [RankAddress(r.rank, r.address, r.blas_label) for r in cluster.ranks],
+                        [RankAddress(r.rank, r.address, r.blas_label, r.blas.threads) for r in cluster.ranks],
                         transport=cluster.transport_label, kv_bits=cluster.model.kv_format.bits))
         if warning := cluster.slow_blas_warning():
             diagnostic(warning)

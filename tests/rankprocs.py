@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 
+from cpchat import blas
 from cpchat.client.launcher import rank_environment
 
 CPCHAT = [sys.executable, "-m", "cpchat"]
@@ -56,7 +57,7 @@ def start_ranks(
     """Start n `cpchat rank` processes at once and wait for each one's "listening" line.
     `prefix[i]` runs rank i under a wrapper (e.g. `ip netns exec NS`); `args[i]` are more flags."""
     started = []
-    env = rank_environment() if env is None else env
+    env = rank_environment(threads=blas.usable_cores()) if env is None else env
     for i in range(n):
         cmd = CPCHAT + ["rank", "--host", hosts[i] if hosts else "127.0.0.1", "--port", str(port)]
         cmd += args[i] if args else []

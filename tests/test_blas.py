@@ -143,3 +143,45 @@ def test_the_app_launches_its_ranks_on_the_blas_asked_for(model_dir):
 def test_launching_on_a_blas_that_is_not_installed_is_bad_input(no_openblas):
     with pytest.raises(BadInput, match="--blas openblas: no openblas library found"):
         Cluster.launch(1, "openblas")
+
+
+def test_cores_are_shared_out_at_least_one_thread_each():
+    assert blas.shared_threads(1, cores=16) == 16
+    assert blas.shared_threads(2, cores=16) == 8 and blas.shared_threads(3, cores=16) == 5
+    assert blas.shared_threads(4, cores=2) == 1
+    env = blas.thread_environment(3, {"OPENBLAS_NUM_THREADS": "1", "PATH": "/bin"})
+    assert env == {"PATH": "/bin", **{name: "3" for name in blas.THREAD_VARIABLES}}
+
+
+def test_local_ranks_run_the_threads_they_are_given_and_report_them(tmp_path, model_dir):
+    """One launched rank takes every core; `--threads` wins over the share; a rank started in an
+    environment with other thread settings re-executes itself with its own. Health reports what
+    OpenBLAS says (it runs no more threads than there are cores)."""
+    installed("openblas")
+    done = subprocess.run(
+        [sys.executable, "-m", "cpchat", "--headless", "--json", "--ranks", "1", "--model",
+         str(model_dir("llama")), "--prompt", "hi", "--max-tokens", "1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert [r["threads"] for r in json.loads(done.stdout.splitlines()[0])["ranks"]] == [blas.usable_cores()]
+    assert blas.usable_cores() >= 2, "this test needs two cores"
+    cluster = Cluster.launch(2, threads=2)  # the share would be one thread each on two cores
+    (by_hand,) = start_ranks(1, tmp_path, args=[["--threads", "1"]])  # its environment says every core
+    try:
+        cluster.connect()
+        assert [r.blas.threads for r in cluster.ranks] == [2, 2]
+        attached = Cluster([by_hand.address])
+        attached.connect()
+        assert attached.ranks[0].blas.name == "OpenBLAS" and attached.ranks[0].blas.threads == 1
+        attached.close()
+    finally:
+        cluster.close()
+        by_hand.stop()
+
+
+def test_a_thread_count_below_one_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["--headless", "--threads", "0", "--prompt", "hi"])
+    assert exit_.value.code == 2
+    assert "--threads: expected a whole number of at least 1" in capsys.readouterr().err

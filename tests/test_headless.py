@@ -20,6 +20,7 @@ from makedocs import write_pdf
 from rankprocs import ranks_started_with, wait_gone
 
 import cpchat
+from cpchat import blas
 
 CPCHAT = [sys.executable, "-m", "cpchat"]
 SAMPLE_DOC = Path(__file__).resolve().parents[1] / "assets" / "sample-doc.txt"
@@ -66,6 +67,7 @@ def test_json_events_match_mlx_lm(model_dir):
     assert [r["rank"] for r in ready["ranks"]] == [0, 1] and ready["version"] == cpchat.__version__
     assert all(r["address"].startswith("127.0.0.1:") for r in ready["ranks"])
     assert ready["transport"] == "shm"  # local ranks share memory
+    assert [r["threads"] for r in ready["ranks"]] == [blas.shared_threads(2)] * 2  # the cores shared out
     _, tokenizer = reference_model(path)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     assert prefill["turn"] == 0 and prefill["new_tokens"] == len(ids) and prefill["cached_tokens"] == 0

@@ -20,6 +20,7 @@ from makedocs import write_pdf
 from textual.pilot import Pilot
 from textual.widgets import Label, Markdown, Static
 
+from cpchat import blas
 from cpchat.cli import main
 from cpchat.client.cluster import Cluster
 from cpchat.client.settings import Settings
@@ -148,7 +149,10 @@ async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
         assert all(r.stats.kv_bytes > 0 for r in rows)
         assert {r.stats.address for r in rows} == {h.address for h in app.chat.backend.cluster.ranks}
         assert [r.stats.blas for r in rows] == [h.blas_label for h in app.chat.backend.cluster.ranks]
-        assert rows[0].stats.blas and f"BLAS: {rows[0].stats.blas}" in str(rows[0].render())
+        threads = app.chat.backend.cluster.ranks[0].blas.threads
+        assert threads == blas.shared_threads(RANKS)  # the cores shared out between the local ranks
+        shown = f"BLAS: {rows[0].stats.blas}, {threads} thread{'s' if threads > 1 else ''}"
+        assert rows[0].stats.blas and shown in str(rows[0].render())
         assert app.query_one(BigText).text in ("pass_kv", "pass_q")
         words = {"pass_kv": "pass-KV: keys and values travel the ring",
                  "pass_q": "pass-Q: queries travel the ring"}
@@ -183,7 +187,7 @@ async def test_ranks_on_the_reference_blas_are_flagged_with_the_fix(model, tmp_p
             assert warnings()[0].message.startswith("The ranks multiply with the reference BLAS")
             assert "install a fast one and restart: " in warnings()[0].message
             row = app.query_one(RankRow)
-            assert row.stats.slow_blas and "BLAS: reference (slow)" in str(row.render())
+            assert row.stats.slow_blas and "BLAS: reference, 1 thread (slow)" in str(row.render())
     finally:
         cluster.close()
 

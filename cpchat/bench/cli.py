@@ -17,6 +17,7 @@ from pathlib import Path
 from cpchat import blas
 from cpchat.bench import compare_algorithms, compare_mlx_lm, prefix_cache
 from cpchat.bench.models import ARCHS
+from cpchat.cli import add_threads_flag
 from cpchat.client.cluster import TRANSPORTS
 from cpchat.client.launcher import rank_environment
 from cpchat.client.settings import REPO_ASSETS
@@ -73,6 +74,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-exchange", default="exchange", metavar="LIST",
                    help="with --algorithms: decode exchanges to time, a comma list of exchange,ring")
     p.add_argument("--pin", action="store_true", help="pin rank i to core i (and mlx-lm to core 0)")
+    add_threads_flag(p)
     p.add_argument("--blas", default="auto",
                    help="comma-separated BLAS runs, each of auto (the fastest installed; default), openblas, "
                         "mkl, reference; both = auto,reference")
@@ -160,7 +162,7 @@ def attention_only(lengths: list[int]) -> int:
     )
     done = subprocess.run(
         [sys.executable, "-c", code, *map(str, lengths)],
-        env=rank_environment(),
+        env=rank_environment(threads=blas.usable_cores()),
         capture_output=True,
         text=True,
         check=True,

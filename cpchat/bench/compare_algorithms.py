@@ -212,7 +212,7 @@ def model_variants(args) -> list[Path]:
 def bench_cluster(result: Comparison, model: Path, n: int, contexts: list[int], algorithms: list[str],
                   exchanges: list[str], args) -> None:
     """Everything measured on one cluster of n ranks: it is launched and calibrated once."""
-    cluster = Cluster.launch(n, blas_choice=args.blas_choice, pin_cpus=args.pin)
+    cluster = Cluster.launch(n, blas_choice=args.blas_choice, pin_cpus=args.pin, threads=args.threads)
     try:
         cluster.connect()
         info = cluster.load(str(model))

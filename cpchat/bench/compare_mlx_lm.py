@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from cpchat import blas
 from cpchat.bench.baseline import document_ids, prompt_ids
 from cpchat.bench.charts import Lines, write_context_chart
 from cpchat.bench.models import in_form, source_model
@@ -44,6 +45,7 @@ class Row:
     ring_bytes: int = 0  # sent by all ranks in a pass-KV prefill's last pass (with --kv-bits: quantized)
     hidden_share: float | None = None
     blas: str = ""  # the BLAS that was measured, as the processes report it
+    threads: int = 0  # BLAS threads of each process (mlx-lm's one, or each rank), as the library reports
     estimate_s: float | None = None  # the prefill time cpchat predicted from the ranks' calibration
     combine_share: float | None = None  # of prefill: linear layers' halo exchange and state combine
 
@@ -135,11 +137,13 @@ def run_baseline(model: str, context: int, args, blas_choice: str, kv: KVFormat 
     ] + (["--text"] if args.model else [])
     if args.pin:
         cmd = ["taskset", "-c", "0"] + cmd
-    done = subprocess.run(cmd, capture_output=True, text=True, env=rank_environment(blas_choice), check=True)
+    threads = args.threads or (1 if args.pin else blas.usable_cores())  # every core, as a user's mlx-lm
+    done = subprocess.run(cmd, capture_output=True, text=True, env=rank_environment(blas_choice, threads),
+                          check=True)
     row = Row("mlx-lm" + _kv_label(kv), 1, context, kv_bits=kv.bits)
     for line in done.stdout.splitlines():
         r = json.loads(line)
-        row.blas = r["blas"]
+        row.blas, row.threads = r["blas"], r["threads"]
         row.ttft_ms.append(r["ttft_ms"])
         row.prefill_tokens_per_s.append(r["prefill_tokens_per_s"])
         row.decode_tokens_per_s.append(r["decode_tokens_per_s"])
@@ -155,7 +159,8 @@ def _kv_label(kv: KVFormat) -> str:
 def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, transport: str = "auto",
                kv: KVFormat = FULL_PRECISION) -> list[Row]:
     """cpchat's rows on one cluster of n ranks, one per context."""
-    cluster = Cluster.launch(n, blas_choice=blas_choice, pin_cpus=args.pin, transport=transport)
+    cluster = Cluster.launch(n, blas_choice=blas_choice, pin_cpus=args.pin, transport=transport,
+                             threads=args.threads)
     rows = []
     try:
         cluster.connect()
@@ -169,6 +174,7 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, 
             plane = f" {cluster.transport_label}" if n > 1 and transport != "auto" else ""
             system = f"cpchat N={n}{plane}{_kv_label(kv)}"
             row = Row(system, n, context, blas=measured_blas, kv_bits=kv.bits,
+                      threads=min(r.blas.threads for r in cluster.ranks),
                       estimate_s=cluster.prefill_cost.seconds(context, 0, n))
             for _ in range(args.repeats):
                 cluster.reset(0)
@@ -245,10 +251,10 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
     if rows:
         lines += [
             "",
-            "| system | BLAS | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s | vs mlx-lm "
-            "| KV MiB/rank | vs kv none | ring MiB | peak MiB/rank | hidden comm | state combine "
+            "| system | BLAS | threads | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s "
+            "| vs mlx-lm | KV MiB/rank | vs kv none | ring MiB | peak MiB/rank | hidden comm | state combine "
             "| prefill estimate |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
     for r in rows:
         b = base.get((r.context, r.blas, r.kv_bits))
@@ -264,7 +270,7 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         if r.estimate_s and measured_s:  # predicted seconds, and as a multiple of the measured ones
             estimate = f"{r.estimate_s:.2f} s ({r.estimate_s / measured_s:.2f}×)"
         lines.append(
-            f"| {r.system} | {r.blas} | {r.context} | {r.best('ttft_ms'):.0f} "
+            f"| {r.system} | {r.blas} | {r.threads} | {r.context} | {r.best('ttft_ms'):.0f} "
             f"| {r.best('prefill_tokens_per_s'):.0f} | {pre_ratio} | {r.best('decode_tokens_per_s'):.1f} "
             f"| {dec_ratio} | {r.kv_bytes_per_rank / MB:.1f} | {kv_ratio} | {r.ring_bytes / MB:.1f} "
             f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} | {combine} | {estimate} |"

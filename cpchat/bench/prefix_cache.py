@@ -167,7 +167,7 @@ def session_turn(model: Path, tokenizer, n: int, cache: Path, document: Document
     also the wait for the ranks' writes after Done (FindPrefixes waits for them), measured before
     the shutdown (which waits for them too, but under a short deadline)."""
     cluster = Cluster.launch(n, blas_choice=args.blas_choice, pin_cpus=args.pin,
-                             flags=["--cache-dir", str(cache)])
+                             flags=["--cache-dir", str(cache)], threads=args.threads)
     try:
         cluster.connect()
         cluster.load(str(model))

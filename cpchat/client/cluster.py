@@ -198,14 +198,16 @@ class Cluster:
 
     @classmethod
     def launch(cls, num_ranks: int, blas_choice: str = "auto", pin_cpus: bool = False,
-               transport: str = "auto", devices: str = "all", flags: Sequence[str] = ()) -> Cluster:
-        """Local ranks, pinned one per visible GPU in turn unless devices is "none" (--devices)."""
+               transport: str = "auto", devices: str = "all", flags: Sequence[str] = (),
+               threads: int | None = None) -> Cluster:
+        """Local ranks, pinned one per visible GPU in turn unless devices is "none" (--devices), each
+        running `threads` BLAS threads (default: the cores shared out)."""
         try:
             pinned = rank_devices(devices, visible_gpus())
         except ValueError as e:
             raise BadInput(str(e)) from None
         try:
-            local = launch_local_ranks(num_ranks, blas_choice, pin_cpus, pinned, flags)
+            local = launch_local_ranks(num_ranks, blas_choice, pin_cpus, pinned, flags, threads)
         except LaunchError as e:
             raise BackendError(str(e)) from None
         except BlasUnavailable as e:
@@ -675,6 +677,6 @@ def _rank_stats(r: RankHandle, s: pb.RankStats) -> RankStats:
         rss_bytes=s.rss_bytes, mlx_active_bytes=s.mlx_active_bytes, mlx_peak_bytes=s.mlx_peak_bytes,
         peak_rss_bytes=s.peak_rss_bytes, data_plane_bytes_sent=s.data_plane_bytes_sent,
         state_bytes=s.state_bytes, algorithm=s.algorithm, blas=r.blas_label,
-        slow_blas=r.slow_blas,
+        slow_blas=r.slow_blas, threads=r.blas.threads,
         ring_steps=[RingStep(t.layer, t.step, t.compute_ms, t.wait_ms, t.bytes_sent) for t in s.ring_steps],
     )

@@ -58,18 +58,19 @@ def read_bytes(path: str | None, what: str) -> bytes | None:
 
 
 def connect_cluster(options: ClusterOptions, ranks: int, blas_choice: str = "auto",
-                    flags: Sequence[str] = ()) -> Cluster:
-    """Launch `ranks` local ranks with that BLAS and `flags`, or attach to running ones, and form the ring."""
+                    flags: Sequence[str] = (), threads: int | None = None) -> Cluster:
+    """Launch `ranks` local ranks with that BLAS, `threads` BLAS threads each (default: the cores
+    shared out) and `flags`, or attach to running ones, and form the ring."""
     token = read_token(options.token_file) if options.token_file else None
     tls_ca = read_bytes(options.tls_ca, "CA certificate")
     if options.launch:
-        cluster = launch_over_ssh(options, token or secrets.token_urlsafe(32))
+        cluster = launch_over_ssh(options, token or secrets.token_urlsafe(32), threads)
     elif options.attached:
         addresses = parse_addresses(options.attach) if options.attach else read_hostfile(options.hostfile)
         cluster = Cluster(addresses, token=token, tls_ca=tls_ca, transport=options.transport)
     else:
         cluster = Cluster.launch(ranks, blas_choice, transport=options.transport, devices=options.devices,
-                                 flags=flags)
+                                 flags=flags, threads=threads)
     try:
         cluster.connect()
     except BaseException:
@@ -78,7 +79,7 @@ def connect_cluster(options: ClusterOptions, ranks: int, blas_choice: str = "aut
     return cluster
 
 
-def launch_over_ssh(options: ClusterOptions, token: str) -> Cluster:
+def launch_over_ssh(options: ClusterOptions, token: str, threads: int | None = None) -> Cluster:
     """Ranks started on the hostfile's hosts (a fresh token unless one is given); they stop with the
     front end."""
     if not options.hostfile:
@@ -92,7 +93,7 @@ def launch_over_ssh(options: ClusterOptions, token: str) -> Cluster:
     except ValueError as e:
         raise BadInput(str(e)) from None
     try:
-        ranks = launch_remote_ranks(hosts, token)
+        ranks = launch_remote_ranks(hosts, token, threads)
     except LaunchError as e:
         raise BackendError(str(e)) from None
     return Cluster([r.address for r in ranks], token=token, local=ranks, transport=options.transport)

@@ -17,6 +17,7 @@ class RankAddress:
     rank: int
     address: str
     blas: str = ""  # the BLAS its CPU products run on, e.g. "OpenBLAS 0.3.21 Haswell"
+    threads: int = 0  # the threads that BLAS runs, as it reports (--threads)
 
 
 @dataclass
@@ -132,6 +133,7 @@ class RankStats:
     error: str = ""
     blas: str = ""
     slow_blas: bool = False  # a CPU rank on the reference BLAS
+    threads: int = 0  # BLAS threads
 
 
 @dataclass

@@ -47,7 +47,7 @@ class Frontend:
             self.tokenizer_dir = self._fetch(self.model_path, report)
             report("connect", 0, self.settings.ranks)
             cluster = connect_cluster(self.options, self.settings.ranks, self.settings.blas,
-                                      rank_flags(self.settings))
+                                      rank_flags(self.settings), self.settings.threads or None)
             self.cluster, self.own_cluster = cluster, True
             if self.closing.is_set():
                 return description
@@ -64,7 +64,8 @@ class Frontend:
         if old is not None and self.own_cluster:
             old.close()
         report("connect", 0, n)
-        cluster = Cluster.launch(n, self.settings.blas, flags=rank_flags(self.settings))
+        cluster = Cluster.launch(n, self.settings.blas, flags=rank_flags(self.settings),
+                                 threads=self.settings.threads or None)
         cluster.connect()
         self.cluster, self.own_cluster = cluster, True
         if not self.closing.is_set():

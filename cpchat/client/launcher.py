@@ -50,12 +50,10 @@ class LocalRank:
             self.log_path.parent.rmdir()  # the last rank of the launch removes the folder
 
 
-def rank_environment(blas_choice: str = "auto") -> dict[str, str]:
-    """The environment of a local rank (and of benchmark children): the BLAS preloaded, one
-    BLAS thread each, since local ranks share the cores."""
-    env = blas.preload_environment(blas_choice)
-    env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    env.setdefault("MKL_NUM_THREADS", "1")
+def rank_environment(blas_choice: str = "auto", threads: int = 1) -> dict[str, str]:
+    """The environment of a local rank (and of benchmark children): the BLAS preloaded, running
+    `threads` threads."""
+    env = blas.thread_environment(threads, blas.preload_environment(blas_choice))
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -90,13 +88,16 @@ def rank_devices(choice: str, visible: list[str]) -> list[str]:
 
 
 def launch_local_ranks(n: int, blas_choice: str = "auto", pin_cpus: bool = False,
-                       devices: list[str] | None = None, flags: Sequence[str] = ()) -> list[LocalRank]:
+                       devices: list[str] | None = None, flags: Sequence[str] = (),
+                       threads: int | None = None) -> list[LocalRank]:
     """Start n ranks at once and wait until each reports its address. With pin_cpus, rank i runs
     on core i (modulo the cores there are); with devices, on devices[i] (modulo their number);
-    `flags` go to each (`cpchat rank --cache-dir ...`)."""
+    `flags` go to each (`cpchat rank --cache-dir ...`). Each runs `threads` BLAS threads, by default
+    an equal share of the cores (one where pinned)."""
     if n < 1:
         raise LaunchError(f"--ranks must be at least 1, got {n}")
-    env = rank_environment(blas_choice)
+    threads = threads or (1 if pin_cpus else blas.shared_threads(n))
+    env = rank_environment(blas_choice, threads)  # what the rank would re-execute itself with
     log_dir = Path(tempfile.mkdtemp(prefix="cpchat-ranks-"))
     started: list[tuple[subprocess.Popen, Path, str]] = []
     for i in range(n):
@@ -114,6 +115,8 @@ def launch_local_ranks(n: int, blas_choice: str = "auto", pin_cpus: bool = False
             str(os.getpid()),
             "--blas",
             blas_choice,
+            "--threads",
+            str(threads),
             *flags,
         ]
         if pin_cpus:

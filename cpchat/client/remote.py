@@ -59,15 +59,17 @@ def ssh_command() -> list[str]:
     return shlex.split(os.environ.get("CPCHAT_SSH", "ssh")) + ["-o", "BatchMode=yes"]
 
 
-def launch_remote_ranks(hosts: list[Host], token: str) -> list[LocalRank]:
+def launch_remote_ranks(hosts: list[Host], token: str, threads: int | None = None) -> list[LocalRank]:
     """Start a rank on each host at once and wait until each reports its address; on any failure
-    stop the ones that started and raise LaunchError naming the host."""
+    stop the ones that started and raise LaunchError naming the host. Ranks on one host share its
+    cores out, unless `threads` says how many BLAS threads each runs."""
     remote = os.environ.get("CPCHAT_REMOTE_COMMAND", "cpchat")
     log_dir = Path(tempfile.mkdtemp(prefix="cpchat-ssh-ranks-"))
     started: list[tuple[subprocess.Popen, Path, str]] = []
     for i, host in enumerate(hosts):
+        share = f"--threads {threads}" if threads else f"--ranks-here {sum(h.ssh == host.ssh for h in hosts)}"
         command = (f"exec {remote} rank --host {shlex.quote(host.address)} --port {host.port} "
-                   f"--token-file /dev/stdin --parent-pid $PPID")
+                   f"--token-file /dev/stdin --parent-pid $PPID {share}")
         log_path = log_dir / f"rank{i}.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen([*ssh_command(), host.ssh, command], stdin=subprocess.PIPE,

@@ -51,6 +51,7 @@ class Settings:
     seed: int | None = None
     theme: str = "textual-dark"
     blas: str = "auto"  # for local ranks: auto | openblas | mkl | reference (cpchat/blas.py)
+    threads: int = 0  # BLAS threads per local rank; 0: the cores shared out between them
     cache: bool = True  # the prefix cache: ranks save conversations on disk and later sessions reuse them
     cache_dir: str = ""  # where local ranks keep it ("": <user cache dir>/cpchat/prefix)
     cache_max_gb: float = PREFIX_CACHE_GB  # per rank
@@ -85,6 +86,7 @@ _CASTS = {
     "seed": int,
     "theme": str,
     "blas": str,
+    "threads": int,
     "cache": _flag,
     "cache_dir": str,
     "cache_max_gb": float,
@@ -112,6 +114,8 @@ def _set(settings: Settings, key: str, value: object, source: str) -> None:
         raise BadInput(f"setting kv_group_size from {source}: {value} is not 32, 64 or 128")
     if key == "quantized_kv_start" and value < 0:
         raise BadInput(f"setting quantized_kv_start from {source}: cannot be negative")
+    if key == "threads" and value < 0:
+        raise BadInput(f"setting threads from {source}: cannot be negative (0: share the cores out)")
     if key == "ranks" and value < 1:
         raise BadInput(f"setting ranks from {source}: must be at least 1")
     setattr(settings, key, value)
@@ -144,6 +148,7 @@ def resolve_settings(args: argparse.Namespace, config_file: Path | None = None) 
         "top_p": args.top_p,
         "seed": args.seed,
         "blas": args.blas,
+        "threads": args.threads,
         "cache": False if args.no_cache else None,
         "cache_dir": args.cache_dir,
         "cache_max_gb": args.cache_max_gb,

@@ -387,16 +387,18 @@ class HealthReply(_message.Message):
     def __init__(self, state: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., blas: _Optional[_Union[Blas, _Mapping]] = ..., shm_endpoint: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., computes_on_cpu: _Optional[bool] = ..., data_plane_backends: _Optional[_Iterable[str]] = ..., data_plane_port: _Optional[int] = ...) -> None: ...
 
 class Blas(_message.Message):
-    __slots__ = ("name", "version", "library", "fix")
+    __slots__ = ("name", "version", "library", "fix", "threads")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LIBRARY_FIELD_NUMBER: _ClassVar[int]
     FIX_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     library: str
     fix: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., library: _Optional[str] = ..., fix: _Optional[str] = ...) -> None: ...
+    threads: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., library: _Optional[str] = ..., fix: _Optional[str] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()

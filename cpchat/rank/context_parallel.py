@@ -32,6 +32,11 @@ from cpchat.rank.statestore import StateStore
 from cpchat.rank.transport.ring import Ring
 from cpchat.rank.transport.wire import BlockKey, block_nbytes
 
+# One rank's decode step stays one lazy MLX graph per token, as mlx-lm's does, while its attention
+# is short; numpy's attention forces an evaluation per layer but its exp is faster, and wins past
+# about 64K scores a layer (query heads x keys; measured on a 1024-wide llama: 4K keys, 16 heads).
+LAZY_DECODE_SCORES = 1 << 16
+
 Partial = tuple[mx.array, mx.array]  # (out [1, H, L, Dv] float32, lse [1, H, L]): cpchat.core.attention
 
 
@@ -129,8 +134,10 @@ class RingPass:
         if k is None or len(k_pos) == 0:
             return empty_partial(q, call.value_dim)
         k, v = full_precision(k), full_precision(v)
-        if self.ring.size == 1:  # nothing to overlap or report: stay lazy, one graph per forward
-            return partial_attention(q, k, v, q_pos, k_pos, call.scale, window=call.window)
+        if self.ring.size == 1:  # nothing to overlap or report
+            lazy = self.decoding and q.shape[1] * len(k_pos) <= LAZY_DECODE_SCORES
+            return partial_attention(q, k, v, q_pos, k_pos, call.scale, window=call.window,
+                                     xp=mx if lazy else None)
         t0 = time.perf_counter()
         out, lse = partial_attention(q, k, v, q_pos, k_pos, call.scale, window=call.window)
         mx.eval(out, lse)

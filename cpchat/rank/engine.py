@@ -29,7 +29,7 @@ from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import context_parallel, fit, latent_attention, linear_layers
 from cpchat.rank.algorithms import DECODE, PREFILL
 from cpchat.rank.context_parallel import RingPass, ShardCache, StepTiming
-from cpchat.rank.cpu_products import use_float32_products
+from cpchat.rank.cpu_products import MIN_ROWS, use_float32_products
 from cpchat.rank.fit import LayerAttention, LayerRecurrence, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.linear_layers import StateCache
@@ -190,18 +190,21 @@ def _probe_forward(model, chunk: int = 3) -> fit.ProbeResult:
 
 
 def measure_prefill(model, info: ModelShape) -> PrefillCost:
-    """Time this model here: a forward of 8 tokens and one long enough to take about 0.3 s more
-    (40 to 1024 tokens) for the weights' work, and attention of 1024 queries over 2048 keys (all
-    visible: a prefill's tiles are that large) for each query-key pair's."""
+    """Time this model here: a forward of a few tokens and one long enough to take about 0.3 s more
+    (up to 1024 tokens) for the weights' work, and attention of 1024 queries over 2048 keys (all
+    visible: a prefill's tiles are that large) for each query-key pair's. The short forward has
+    MIN_ROWS tokens a row, so both run the products a prefill runs (below that, a low-precision
+    model's run MLX's native kernels, many times slower a token)."""
 
     def forward_s(tokens: int) -> float:
         start = time.perf_counter()
         _probe_forward(model, tokens // 2)
         return time.perf_counter() - start
 
-    short = min(forward_s(8), forward_s(8))
-    tokens = int(min(max(8 * 0.3 / max(short, 1e-6), 40), 1024)) // 2 * 2
-    fixed, per_token = line_through(8, short, tokens, forward_s(tokens))
+    few = 2 * MIN_ROWS
+    short = min(forward_s(few), forward_s(few))
+    tokens = int(min(max(few * 0.3 / max(short, 1e-6), 4 * few), 1024)) // 2 * 2
+    fixed, per_token = line_through(few, short, tokens, forward_s(tokens))
     layer, queries, keys = info.first_attention, 1024, 2048
     q = mx.random.normal((1, layer.query_heads, queries, layer.key_dim))
     k = mx.random.normal((1, layer.key_heads, keys, layer.key_dim))

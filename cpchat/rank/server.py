@@ -509,7 +509,7 @@ def blas_report() -> pb.Blas:
     info = blas.in_use()
     slow = info.reference and sys.platform == "linux" and mx.default_device() == mx.cpu
     return pb.Blas(name=info.name, version=info.version, library=info.library,
-                   fix=blas.install_hint() if slow else "")
+                   fix=blas.install_hint() if slow else "", threads=info.threads)
 
 
 def peak_rss_bytes() -> int:

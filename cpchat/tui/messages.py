@@ -22,6 +22,7 @@ class RankInfo:
     address: str
     blas: str = ""
     slow_blas: bool = False
+    threads: int = 0
 
 
 class BackendReady(Message):

@@ -3,7 +3,8 @@
 Each rank computes its partial output (cpchat.core.attention.partial_attention) and the N partials
 are merged in rank order on every rank (merge_partials), so all ranks agree bit for bit and go on
 with the same token. `exchange` sends them to every rank at once (one step), `ring` around the
-ring (N-1 hops)."""
+ring (N-1 hops). A partial travels as one tensor, its lse a last column of its output: one frame,
+one message and one wake-up a hop, where a step's latency is what a user waits for."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ def exchange(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: 
     mine = rp.partial(call, timing, q, rp.q_positions, k, v, k_pos)
     if rp.ring.size == 1:
         return mine
-    rp.send(timing, key, list(mine), to=rp.ring.peers)
+    rp.send(timing, key, [_packed(mine)], to=rp.ring.peers)
     timing = rp.step_timing(layer, 1)
-    parts = [mine if r == rp.ring.rank else tuple(rp.take(timing, key, r)) for r in range(rp.ring.size)]
+    parts = [mine if r == rp.ring.rank else _unpacked(rp.take(timing, key, r)) for r in range(rp.ring.size)]
     return merge_partials(parts)
 
 
@@ -35,10 +36,21 @@ def ring(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.a
     n, layer = rp.ring.size, call.layer
     timing = rp.step_timing(layer, 0)
     parts = {rp.ring.rank: rp.partial(call, timing, q, rp.q_positions, k, v, k_pos)}
-    block = list(parts[rp.ring.rank])
+    block = [_packed(parts[rp.ring.rank])]
     for step in range(n - 1):
         rp.send(timing, rp.key(layer, step, pb.PARTIAL), block)
         timing = rp.step_timing(layer, step + 1)
         block = rp.take(timing, rp.key(layer, step, pb.PARTIAL))
-        parts[(rp.ring.rank - step - 1) % n] = tuple(block)
+        parts[(rp.ring.rank - step - 1) % n] = _unpacked(block)
     return merge_partials([parts[r] for r in range(n)])
+
+
+def _packed(partial: Partial) -> mx.array:
+    """out [1, H, 1, Dv] and lse [1, H, 1] as one [1, H, 1, Dv + 1] float32 tensor."""
+    out, lse = partial
+    return mx.concatenate([out.astype(mx.float32), lse[..., None]], axis=-1)
+
+
+def _unpacked(block: list[mx.array]) -> Partial:
+    (packed,) = block
+    return packed[..., :-1], packed[..., -1]

@@ -53,5 +53,6 @@ class RankRow(Widget):
                         f" (peak {human_bytes(s.mlx_peak_bytes)})", "dim")
         if s.blas:
             slow = " (slow)" if s.slow_blas else ""
-            text.append(f"\nBLAS: {s.blas}{slow}", "yellow" if s.slow_blas else "dim")
+            threads = f", {s.threads} thread{'s' if s.threads != 1 else ''}" if s.threads else ""
+            text.append(f"\nBLAS: {s.blas}{threads}{slow}", "yellow" if s.slow_blas else "dim")
         return text

@@ -28,7 +28,8 @@ class SidePanels(VerticalScroll):
 
     async def show_ready(self, message: BackendReady) -> None:
         """A new ring, every rank ready with the model."""
-        await self.ranks.set_ranks([RankStats(r.rank, r.address, "ready", blas=r.blas, slow_blas=r.slow_blas)
+        await self.ranks.set_ranks([RankStats(r.rank, r.address, "ready", blas=r.blas, slow_blas=r.slow_blas,
+                                              threads=r.threads)
                                     for r in message.ranks])
         self.throughput.context_max = message.model.max_context
         self.ranks.kv_bits = message.model.kv_format.bits
