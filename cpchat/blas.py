@@ -112,6 +112,11 @@ def preload_environment(choice: str, env: dict[str, str] | None = None) -> dict[
 
 
 THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+# An idle OpenBLAS thread spins 2^28 cycles before it sleeps (0.3.21's default). A rank has two pools,
+# MLX's (the preloaded library) and numpy's (its own copy, for attention tiles), that take turns
+# every layer: each spins on the cores the other needs. 2^4 cycles: a 2-thread rank decoding over
+# 8K keys took 165 ms a token instead of 612.
+SPIN = {"OPENBLAS_THREAD_TIMEOUT": "4"}
 
 
 def usable_cores() -> int:
@@ -127,13 +132,13 @@ def shared_threads(sharing: int, cores: int | None = None) -> int:
 def thread_environment(threads: int, env: dict[str, str] | None = None) -> dict[str, str]:
     """`env` (default: ours) with every BLAS (MLX's, numpy's, OpenMP's) set to `threads` threads: the
     libraries read these once, when they load."""
-    return dict(os.environ if env is None else env) | {name: str(threads) for name in THREAD_VARIABLES}
+    return dict(os.environ if env is None else env) | {name: str(threads) for name in THREAD_VARIABLES} | SPIN
 
 
 def rerun_preloaded(module: str, argv: list[str], env: dict[str, str]) -> None:
     """Re-execute `python -m module *argv` in `env`, unless this process already has its preload
     and BLAS threads."""
-    if any(env.get(name) != os.environ.get(name) for name in ("LD_PRELOAD", *THREAD_VARIABLES)):
+    if any(env.get(name) != os.environ.get(name) for name in ("LD_PRELOAD", *THREAD_VARIABLES, *SPIN)):
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
 

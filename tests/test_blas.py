@@ -150,7 +150,8 @@ def test_cores_are_shared_out_at_least_one_thread_each():
     assert blas.shared_threads(2, cores=16) == 8 and blas.shared_threads(3, cores=16) == 5
     assert blas.shared_threads(4, cores=2) == 1
     env = blas.thread_environment(3, {"OPENBLAS_NUM_THREADS": "1", "PATH": "/bin"})
-    assert env == {"PATH": "/bin", **{name: "3" for name in blas.THREAD_VARIABLES}}
+    threads = {name: "3" for name in blas.THREAD_VARIABLES}
+    assert env == {"PATH": "/bin", **threads, "OPENBLAS_THREAD_TIMEOUT": "4"}  # idle threads sleep soon
 
 
 def test_local_ranks_run_the_threads_they_are_given_and_report_them(tmp_path, model_dir):
