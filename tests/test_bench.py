@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+from cpchat import blas
 from cpchat.client.launcher import rank_environment
 
 
@@ -60,7 +61,11 @@ def test_bench_writes_results(tmp_path, model_dir):
     used = subprocess.run([sys.executable, "-c", detect], env=rank_environment(), capture_output=True,
                           text=True, timeout=120).stdout.strip()
     assert used and {row["blas"] for row in data["rows"]} == {used}
-    assert f"| cpchat N=2 shm | {used} | 128 |" in table
+    # mlx-lm runs on every core, as a user's would; local ranks share them out
+    threads = {row["system"]: row["threads"] for row in data["rows"]}
+    assert threads["mlx-lm"] == blas.usable_cores() and threads["cpchat N=1"] == blas.usable_cores()
+    assert threads["cpchat N=2 shm"] == blas.shared_threads(2)
+    assert f"| cpchat N=2 shm | {used} | {blas.shared_threads(2)} | 128 |" in table
 
 
 def test_bench_compares_algorithms(tmp_path):
