@@ -50,6 +50,9 @@ def test_bench_writes_results(tmp_path, model_dir):
         assert 20 << 20 < row["peak_bytes_per_rank"] < 8 << 30
         if row["system"].startswith("cpchat N=2"):
             assert 0.0 <= row["hidden_share"] <= 1.0 and row["kv_bytes_per_rank"] > 0
+            assert row["exchange_wait_ms"] >= 0.0  # a decode step's wait for the other rank, per layer
+        if row["system"].startswith("cpchat"):  # the model's FLOPs at the measured rate, over sgemm's
+            assert 0.0 < row["sgemm_share"] < 2.0
     assert [t["block_mib"] for t in data["transport"]] == [1, 9]
     for t in data["transport"]:
         assert t["grpc_ring_gb_s"] > 0 and t["grpc_bytes_only_gb_s"] > 0 and t["tcp_socket_gb_s"] > 0

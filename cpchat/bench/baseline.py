@@ -79,6 +79,6 @@ def document_ids(tokenizer, length: int) -> list[int]:
 
 if __name__ == "__main__":
     main()
-    # OpenBLAS's exit handler joins its threads, and 0.3.21's can wait forever on one that sleeps
-    # (seen once in hundreds of runs): the results are out, so leave without the handlers.
+    # OpenBLAS's exit handler joins its threads, and 0.3.21's once waited forever here on one that
+    # slept: the results are out, so leave without the handlers, as a rank does.
     os._exit(0)

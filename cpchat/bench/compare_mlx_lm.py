@@ -48,6 +48,8 @@ class Row:
     threads: int = 0  # BLAS threads of each process (mlx-lm's one, or each rank), as the library reports
     estimate_s: float | None = None  # the prefill time cpchat predicted from the ranks' calibration
     combine_share: float | None = None  # of prefill: linear layers' halo exchange and state combine
+    sgemm_share: float | None = None  # prefill FLOP/s over the rate the ranks' cores reach in sgemm
+    exchange_wait_ms: float | None = None  # a decode step's wait for the other ranks, per attention layer
 
     def best(self, name: str) -> float:
         values = getattr(self, name)
@@ -167,6 +169,7 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, 
         cluster.load(model, kv_format=kv)
         tokenizer = load_tokenizer(model)
         bandwidth = ring_link(cluster, 16 * MB)[0] if n > 1 else 0.0
+        weights_flops = linear_flops_per_token(model)
         measured_blas = " / ".join(sorted({r.blas_label for r in cluster.ranks}))
         for context in contexts:
             ids = document_ids(tokenizer, context) if args.model else prompt_ids(cluster.model.vocab_size,
@@ -197,6 +200,10 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, 
                         row.kv_bytes_per_rank = max(r.kv_bytes for r in event.ranks)
                 stats = cluster.stats_once()
                 row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, max(s.peak_rss_bytes for s in stats))
+                if n > 1 and args.decode > 1:  # the last pass is the last token's decode step
+                    row.exchange_wait_ms = exchange_wait_ms(stats, cluster.model)
+            flops = weights_flops + attention_flops_per_token(cluster.model, context)
+            row.sgemm_share = flops * row.best("prefill_tokens_per_s") / (n * cluster.flops_per_s)
             if n > 1 and not args.no_overlap:
                 row.hidden_share, row.ring_bytes = hidden_share(cluster, ids, args, bandwidth)
             rows.append(row)
@@ -204,6 +211,35 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, 
     finally:
         cluster.close()
     return rows
+
+
+def linear_flops_per_token(model: str) -> float:
+    """2 x the weights of the layers' linear maps (a prefill runs the head on one token only)."""
+    import mlx.nn as nn
+    from mlx_lm.utils import load_model
+
+    def size(m: nn.Module) -> int:
+        if isinstance(m, nn.QuantizedLinear):
+            return m.weight.size * 32 // m.bits
+        return m.weight.size if isinstance(m, nn.Linear) else 0
+
+    loaded, _ = load_model(Path(model), lazy=True)
+    weights = sum(size(m) for _, m in loaded.named_modules()) - size(loaded.get("lm_head"))
+    return 2.0 * weights
+
+
+def attention_flops_per_token(served, context: int) -> float:
+    """QK and PV of one query over the context/2 keys before it, on average, in every attention layer."""
+    layers = served.num_layers - served.state_layers
+    return 2.0 * 2 * served.num_q_heads * served.head_dim * context / 2 * layers
+
+
+def exchange_wait_ms(stats, served) -> float:
+    """A decode step's wait for the other ranks' partial outputs, per attention layer, averaged over
+    the ranks: the latency of the exchange and the ranks' skew."""
+    layers = served.num_layers - served.state_layers
+    waits = [sum(t.wait_ms for t in s.ring_steps if t.step > 0) / layers for s in stats]
+    return sum(waits) / len(waits)
 
 
 def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> tuple[float, int]:
@@ -253,8 +289,9 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
             "",
             "| system | BLAS | threads | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s "
             "| vs mlx-lm | KV MiB/rank | vs kv none | ring MiB | peak MiB/rank | hidden comm | state combine "
+            "| of sgemm rate | decode wait ms/layer "
             "| prefill estimate |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---|" + "---:|" * 16,
         ]
     for r in rows:
         b = base.get((r.context, r.blas, r.kv_bits))
@@ -265,6 +302,8 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         dec_ratio = f"{r.best('decode_tokens_per_s') / b.best('decode_tokens_per_s'):.2f}×" if b else ""
         hidden = f"{100 * r.hidden_share:.0f}%" if r.hidden_share is not None else ""
         combine = f"{100 * r.combine_share:.1f}%" if r.combine_share is not None else ""
+        sgemm = f"{100 * r.sgemm_share:.0f}%" if r.sgemm_share is not None else ""
+        wait = f"{r.exchange_wait_ms:.2f}" if r.exchange_wait_ms is not None else ""
         measured_s = r.context / r.best("prefill_tokens_per_s") if r.prefill_tokens_per_s else 0.0
         estimate = ""
         if r.estimate_s and measured_s:  # predicted seconds, and as a multiple of the measured ones
@@ -273,7 +312,7 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
             f"| {r.system} | {r.blas} | {r.threads} | {r.context} | {r.best('ttft_ms'):.0f} "
             f"| {r.best('prefill_tokens_per_s'):.0f} | {pre_ratio} | {r.best('decode_tokens_per_s'):.1f} "
             f"| {dec_ratio} | {r.kv_bytes_per_rank / MB:.1f} | {kv_ratio} | {r.ring_bytes / MB:.1f} "
-            f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} | {combine} | {estimate} |"
+            f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} | {combine} | {sgemm} | {wait} | {estimate} |"
         )
     if transport:
         lines += ["", *transport_table(transport, args.repeats)]

@@ -48,7 +48,7 @@ def ring(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.a
 def _packed(partial: Partial) -> mx.array:
     """out [1, H, 1, Dv] and lse [1, H, 1] as one [1, H, 1, Dv + 1] float32 tensor."""
     out, lse = partial
-    return mx.concatenate([out.astype(mx.float32), lse[..., None]], axis=-1)
+    return mx.concatenate([out, lse[..., None]], axis=-1)
 
 
 def _unpacked(block: list[mx.array]) -> Partial:
