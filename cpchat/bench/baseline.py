@@ -37,6 +37,7 @@ def main() -> None:
     ids = document_ids(tokenizer, args.context) if args.text else prompt_ids(vocab, args.context)
     kv = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
           "quantized_kv_start": args.quantized_kv_start} if args.kv_bits else {}
+    blas = in_use()
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         t_first = last = None
@@ -54,8 +55,8 @@ def main() -> None:
                     "decode_tokens_per_s": last.generation_tps,
                     "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                     "kv_bytes": sum(c.nbytes for c in cache),
-                    "blas": in_use().label,
-                    "threads": in_use().threads,
+                    "blas": blas.label,
+                    "threads": blas.threads,
                 }
             ),
             flush=True,

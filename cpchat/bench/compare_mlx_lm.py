@@ -7,6 +7,7 @@ machine shifts both sides alike.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -213,8 +214,10 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, 
     return rows
 
 
+@functools.cache
 def linear_flops_per_token(model: str) -> float:
-    """2 x the weights of the layers' linear maps (a prefill runs the head on one token only)."""
+    """2 x the weights of the layers' linear maps (a prefill runs the head on one token only); read
+    once per model from its lazily loaded modules."""
     import mlx.nn as nn
     from mlx_lm.utils import load_model
 

@@ -47,7 +47,7 @@ class Frontend:
             self.tokenizer_dir = self._fetch(self.model_path, report)
             report("connect", 0, self.settings.ranks)
             cluster = connect_cluster(self.options, self.settings.ranks, self.settings.blas,
-                                      rank_flags(self.settings), self.settings.threads or None)
+                                      rank_flags(self.settings), self.settings.threads)
             self.cluster, self.own_cluster = cluster, True
             if self.closing.is_set():
                 return description
@@ -65,7 +65,7 @@ class Frontend:
             old.close()
         report("connect", 0, n)
         cluster = Cluster.launch(n, self.settings.blas, flags=rank_flags(self.settings),
-                                 threads=self.settings.threads or None)
+                                 threads=self.settings.threads)
         cluster.connect()
         self.cluster, self.own_cluster = cluster, True
         if not self.closing.is_set():
