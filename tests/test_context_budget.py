@@ -3,11 +3,13 @@ insists, answers cut at its end; and the prefill's estimate from what the ranks 
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
 from cpchat.client.session import ContextOverflow, SamplingOptions, Session, load_tokenizer
 from cpchat.core.estimate import PrefillCost, line_through
 from cpchat.format import human_duration
+from cpchat.rank.engine import _probe_forward, load_model
 from cpchat.rank.fit import usable_context
 from cpchat.smallmodels import write_model
 
@@ -41,6 +43,21 @@ def test_prefill_cost_grows_with_tokens_and_context_and_shrinks_with_ranks():
     assert line_through(8, 0.5, 40, 0.4) == (0.5, 0.0), "noise never gives a negative cost"
     assert [human_duration(s) for s in (0.2, 42, 150, 4000)] == ["1 s", "42 s", "2 min", "1 h 7 min"]
 
+
+
+def test_a_calibration_forward_longer_than_the_vocabulary_feeds_only_its_tokens(model_dir):
+    """The calibration runs forwards of up to 1024 tokens; these models' vocabulary has 512. MLX's
+    gather reads past the embedding for an id outside it, and a rank crashed loading a model."""
+    model, info = load_model(str(model_dir("llama")))
+    embed, seen = model.model.embed_tokens, []
+
+    def recording(ids: mx.array) -> mx.array:
+        seen.append(int(ids.max()))
+        return embed(ids)
+
+    model.model.embed_tokens = recording
+    _probe_forward(model, info.vocab_size, chunk=info.vocab_size)
+    assert seen == [info.vocab_size - 1]
 
 def session_on(clusters, model, max_tokens: int = 200) -> Session:
     cluster = clusters.get(2, model)

@@ -101,7 +101,8 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION):
     if mx.default_device() == mx.cpu:
         use_float32_products(model)
     local = Path(path) if Path(path).exists() else Path(_download(path, revision=revision))
-    layers = fit.describe_layers(model, _probe_forward(model))
+    vocab_size = _vocab_size(model, config)
+    layers = fit.describe_layers(model, _probe_forward(model, vocab_size))
     first = next(layer for layer in layers if isinstance(layer, LayerAttention))  # cache_slots saw one
     info = ModelShape(
         model_type=config.get("model_type", fit.model_name(model)),
@@ -109,7 +110,7 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION):
         num_q_heads=first.query_heads,
         num_kv_heads=first.key_heads,
         head_dim=first.key_dim,
-        vocab_size=_vocab_size(model, config),
+        vocab_size=vocab_size,
         bytes_per_element=first.dtype_bytes,
         max_context=min(filter(None, (usable, exact_tokens)), default=0),  # 0: the config does not say
         layers=layers,
@@ -162,9 +163,10 @@ def _vocab_size(model, config: dict) -> int:
     return int(vocab or model.model.embed_tokens.weight.shape[0])
 
 
-def _probe_forward(model, chunk: int = 3) -> fit.ProbeResult:
+def _probe_forward(model, vocab_size: int, chunk: int = 3) -> fit.ProbeResult:
     """One forward through a ring of one rank, laid out as a prefill is (two rows of `chunk`
-    tokens at different positions), recording what every layer's attention was given."""
+    tokens at different positions), recording what every layer's attention was given. The token
+    ids stay inside the vocabulary: MLX's gather does not check, and read past the embedding."""
     slots = fit.cache_slots(model)
     linear = frozenset(i for i, s in enumerate(slots) if s.state)
     kv = KVShard(len(slots), linear)
@@ -178,7 +180,8 @@ def _probe_forward(model, chunk: int = 3) -> fit.ProbeResult:
     )
     kv.begin_append(positions)
     try:
-        _run_model(model, ring_pass, mx.arange(2 * chunk).reshape(2, chunk), row=2 * chunk - 1)
+        ids = mx.arange(2 * chunk) % vocab_size
+        _run_model(model, ring_pass, ids.reshape(2, chunk), row=2 * chunk - 1)
     except UnsupportedModel as e:
         raise UnsupportedModel(f"{fit.model_name(model)}: {e}") from None
     except Exception as e:  # noqa: BLE001 - any failure means the hook does not fit this model
@@ -198,7 +201,7 @@ def measure_prefill(model, info: ModelShape) -> PrefillCost:
 
     def forward_s(tokens: int) -> float:
         start = time.perf_counter()
-        _probe_forward(model, tokens // 2)
+        _probe_forward(model, info.vocab_size, tokens // 2)
         return time.perf_counter() - start
 
     few = 2 * MIN_ROWS
