@@ -227,3 +227,15 @@ def test_faults_leave_no_rank_behind(tmp_path):
     os.kill(ranks[0].pid, signal.SIGSTOP)
     stop_all(ranks)
     assert not psutil.pid_exists(ranks[0].pid)
+
+
+def test_a_rank_that_crashes_leaves_its_threads_stacks_in_its_log(tmp_path):
+    (rank,) = start_ranks(1, tmp_path)
+    try:
+        os.kill(rank.pid, signal.SIGSEGV)
+        assert rank.process.wait(timeout=30) == -signal.SIGSEGV
+        log = rank.log.read_text()
+        assert "Fatal Python error: Segmentation fault" in log
+        assert "in serve" in log, "the main thread's Python stack"
+    finally:
+        stop_all([rank])

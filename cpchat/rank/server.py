@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import math
 import os
@@ -571,6 +572,7 @@ def serve(
 ) -> None:
     """Run a rank until Shutdown, SIGTERM, or the death of its parent. `cache`: where it saves prefixes
     (None: it never touches the disk for them)."""
+    faulthandler.enable()  # a crash in native code leaves every thread's stack in the rank's log
     stop = threading.Event()
     state = RankState(token, tls_ca)
     state.engine.cache = cache
