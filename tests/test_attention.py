@@ -4,7 +4,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cpchat.core.attention import add_sink, merge_partials, partial_attention
+from cpchat.core.attention import add_sink, fused_attention, merge_partials, partial_attention
 
 
 def reference(q, k, v, scale):
@@ -194,3 +194,27 @@ def test_sink_joins_the_merge_once_like_the_fused_kernel(xp, window):
     mask = mx.array((delta >= 0) & (delta < (window or 1 << 30)))
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask, sinks=sinks)
     assert mx.abs(out - expected).max().item() <= 1e-5
+
+
+@settings(max_examples=40, deadline=None)
+@given(problem=problems(), window=st.one_of(st.none(), st.integers(1, 40)), sinks=st.booleans())
+def test_fused_attention_over_keys_in_any_order_equals_one_pass(problem, window, sinks):
+    """One rank on a GPU: MLX's fused kernel over the keys as the shard holds them (any order here),
+    the queries in tiles, each masked only where some pair is not visible, the sinks given along."""
+    kv_heads, groups, lq, lk, d, _, _, seed, tile = problem
+    q, k, v = random_qkv(kv_heads, groups, lq, lk, d, seed, mx.float32)
+    logits = mx.linspace(-1, 1, q.shape[1]) if sinks else None
+    q_pos, k_pos = np.arange(lk - lq, lk), np.random.default_rng(seed).permutation(lk)
+    out = fused_attention(q, k, v, q_pos, k_pos, 0.3, window=window, sinks=logits, tile=tile)
+    qn, kn, vn = (np.repeat(np.array(a, np.float64), g, axis=1)
+                  for a, g in ((q, 1), (k, groups), (v, groups)))
+    delta = q_pos[:, None] - k_pos[None, :]
+    s = np.where((delta >= 0) & (delta < (window or lk + 1)), 0.3 * qn @ kn.swapaxes(-1, -2), -np.inf)
+    if sinks:  # one more logit a head, with a zero value
+        s = np.concatenate([s, np.broadcast_to(np.array(logits, np.float64)[None, :, None, None],
+                                               (*s.shape[:-1], 1))], axis=-1)
+        vn = np.concatenate([vn, np.zeros((*vn.shape[:2], 1, vn.shape[-1]))], axis=2)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    expected = (p / p.sum(axis=-1, keepdims=True)) @ vn
+    assert out.shape == expected.shape and out.dtype == q.dtype
+    assert np.abs(np.array(out) - expected).max() <= 5e-5

@@ -39,8 +39,8 @@ def main() -> None:
     kv = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
           "quantized_kv_start": args.quantized_kv_start} if args.kv_bits else {}
     blas = in_use()
-    if mx.default_device() != mx.cpu:  # the GPU compiles its kernels on first use: not prefill time
-        mlx_lm.generate(model, tokenizer, ids[:64], max_tokens=2)
+    if mx.default_device() != mx.cpu:  # a GPU compiles its kernels on first use (for each shape)
+        mlx_lm.generate(model, tokenizer, ids, max_tokens=2)
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         t_first = last = None

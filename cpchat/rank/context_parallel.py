@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from cpchat.core.algorithms import BY_NAME
-from cpchat.core.attention import add_sink, partial_attention
+from cpchat.core.attention import add_sink, fused_attention, partial_attention
 from cpchat.core.quantized_kv import KV, Packed, arrays_of, full_precision
 from cpchat.rank.algorithms import attend_function
 from cpchat.rank.fit import AttentionCall, UnsupportedModel
@@ -117,9 +117,13 @@ class RingPass:
         k, v, k_pos = self.kv.layer(layer)
         if self.ring.size > 1:  # blocks must be concrete before they travel
             mx.eval(q, *(arrays_of(x) for x in (k, v) if x is not None))
-        out, lse = attend_function(BY_NAME[self.algorithm])(self, call, q, k, v, k_pos)
-        if sinks is not None:
-            out = add_sink(out, lse, sinks)
+        if self.ring.size == 1 and k is not None and mx.default_device() != mx.cpu:
+            out = fused_attention(q, full_precision(k), full_precision(v), self.q_positions, k_pos, scale,
+                                  call.window, sinks)
+        else:
+            out, lse = attend_function(BY_NAME[self.algorithm])(self, call, q, k, v, k_pos)
+            if sinks is not None:
+                out = add_sink(out, lse, sinks)
         if self.on_layer is not None:
             self.on_layer(layer)
         out = out.astype(queries.dtype)
