@@ -89,6 +89,7 @@ def test_every_rpc_needs_the_token(secured, model_dir):
             lambda m=metadata: rank.control.LoadModel(pb.LoadModelRequest(model="/nonexistent"), timeout=5,
                                                       metadata=m),
             lambda m=metadata: rank.control.Stats(pb.StatsRequest(once=True), timeout=5, metadata=m),
+            lambda m=metadata: rank.control.Heartbeat(pb.HeartbeatRequest(), timeout=5, metadata=m),
             lambda m=metadata: rank.control.Shutdown(pb.ShutdownRequest(), timeout=5, metadata=m),
             lambda m=metadata: rank.control.FindPrefixes(find, timeout=5, metadata=m),
             lambda m=metadata: rank.control.LoadPrefix(load, timeout=5, metadata=m),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -40,8 +41,11 @@ from cpchat.protocol.channel import open_channel, token_metadata
 # first backend every rank has, with shared memory or gRPC for the pairs it does not reach (mlx).
 TRANSPORTS = ("auto", "grpc", "shm", "mlx")
 DATA_PLANE_TIMEOUT_S = 60.0  # forming a group waits for every rank to connect
-HEALTH_INTERVAL_S = 1.0
 HEALTH_DEADLINE_S = 2.0
+# During a generation every rank beats (Heartbeat) from a thread of its own, however busy its work:
+# one silent for SILENCE_S has stopped (SIGSTOP, a frozen machine) and is named, slow or not.
+BEAT_INTERVAL_S = 0.5
+SILENCE_S = 3.0
 SHUTDOWN_S = 60.0  # a local rank finishes writing its prefix files before it answers
 MESSAGE_SIZE = [("grpc.max_receive_message_length", 16 << 20)]
 
@@ -400,15 +404,16 @@ class Cluster:
         return max((lat[r][(r + 1) % n] for r in range(n) if len(lat) == n and len(lat[r]) == n), default=0.0)
 
     def close(self) -> None:
-        """Shut local ranks down (and wait for them); leave attached ranks running."""
+        """Shut local ranks down (and wait for them); leave attached ranks running. A local rank that
+        stopped answering is killed at once: a stopped process would answer Shutdown never."""
         self._closed.set()
         for r in self.ranks:
-            if r.local is not None:
+            if r.local is not None and r.state != "failed":
                 with contextlib.suppress(grpc.RpcError):  # it answers once its prefix files are written
                     r.control.Shutdown(pb.ShutdownRequest(), timeout=SHUTDOWN_S, metadata=self.metadata)
         for r in self.ranks:
             if r.local is not None:
-                r.local.stop()
+                r.local.stop(timeout=0 if r.state == "failed" else 3.0)
             r.channel.close()
         for t in self._stats_threads:
             t.join(timeout=2.0)
@@ -480,12 +485,13 @@ class Cluster:
         self.last_results = watch.results
         events: queue.Queue = queue.Queue()
         finished = threading.Event()
-        streams = []
+        streams, monitor = [], None
         try:
             streams = [r.control.Generate(request, metadata=self.metadata) for r in self.ranks]
             readers = [self._pool.submit(self._read, r, s, watch, events)
                        for r, s in zip(self.ranks, streams, strict=True)]
-            threading.Thread(target=self._monitor, args=(watch, finished, events), daemon=True).start()
+            monitor = threading.Thread(target=self._monitor, args=(watch, finished, events), daemon=True)
+            monitor.start()
             remaining = len(self.ranks)
             # Rank 0 reports its prefill (and first token) as soon as *it* is done; hold them until
             # every rank is, so prefill time and decode rate describe the whole ring.
@@ -521,6 +527,8 @@ class Cluster:
             yield GenerationDone(watch.results[0].done)
         finally:
             finished.set()
+            if monitor is not None:
+                monitor.join()  # its heartbeat streams are cancelled: no thread is left inside gRPC
             if watch.failure is None and any(s.is_active() for s in streams):
                 self._abort_all(streams)  # the caller stopped reading early
             self._current_request = ""
@@ -578,14 +586,40 @@ class Cluster:
         return watch.phase
 
     def _monitor(self, watch: GenerationWatch, finished: threading.Event, events: queue.Queue) -> None:
-        """Ping every rank while the generation runs: a hung or cut-off rank is named within seconds."""
-        while not finished.wait(HEALTH_INTERVAL_S):
-            failed = self.unanswering()
-            if failed and not finished.is_set():
-                r, e = failed[0]
-                r.state = "failed"
-                events.put(RankFailed(self._describe(r, e, self._phase(watch))))
-                return
+        """Follow every rank's heartbeat while the generation runs: a rank whose beats stop for
+        SILENCE_S, or whose stream breaks, is named; one that is only slow keeps beating."""
+        request = pb.HeartbeatRequest(interval_s=BEAT_INTERVAL_S)
+        calls = [r.control.Heartbeat(request, metadata=self.metadata) for r in self.ranks]
+        heard = {r.rank: time.monotonic() for r in self.ranks}
+        lost: queue.Queue = queue.Queue()
+
+        def follow(r: RankHandle, call) -> None:
+            try:
+                for _ in call:
+                    heard[r.rank] = time.monotonic()
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.CANCELLED:
+                    lost.put((r, e))
+
+        followers = [threading.Thread(target=follow, args=rc, daemon=True)
+                     for rc in zip(self.ranks, calls, strict=True)]
+        for t in followers:
+            t.start()
+        try:
+            while not finished.wait(BEAT_INTERVAL_S / 2):
+                silent = [r for r in self.ranks if time.monotonic() - heard[r.rank] > SILENCE_S]
+                if not lost.empty() or silent:
+                    r, e = lost.get() if not lost.empty() else (silent[0], None)
+                    r.state = "failed"
+                    where = self._phase(watch)
+                    events.put(RankFailed(self._describe(r, e, where) if e else
+                                          f"{r.label} stopped answering during {where}"))
+                    return
+        finally:
+            for call in calls:
+                call.cancel()
+            for t in followers:
+                t.join()
 
     def _abort_all(self, streams) -> None:
         """Stop the request on every rank (their KV rolls back). Waits only for the survivors'

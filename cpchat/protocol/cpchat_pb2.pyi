@@ -400,6 +400,18 @@ class Blas(_message.Message):
     threads: int
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., library: _Optional[str] = ..., fix: _Optional[str] = ..., threads: _Optional[int] = ...) -> None: ...
 
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("interval_s",)
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    interval_s: float
+    def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
+
+class Beat(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+
 class ShutdownRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -86,6 +86,11 @@ class ControlStub:
                 request_serializer=cpchat_dot_protocol_dot_cpchat__pb2.HealthRequest.SerializeToString,
                 response_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_stream(
+                '/cpchat.Control/Heartbeat',
+                request_serializer=cpchat_dot_protocol_dot_cpchat__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.Beat.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/cpchat.Control/Shutdown',
                 request_serializer=cpchat_dot_protocol_dot_cpchat__pb2.ShutdownRequest.SerializeToString,
@@ -173,6 +178,15 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """A beat every interval_s for as long as the rank's process runs, whatever its work: sent from a
+        thread of its own, so a slow rank keeps beating and a stopped one (SIGSTOP, a frozen machine)
+        falls silent. The front end names a rank stopped when its beats stop, not when its work is slow.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Shutdown(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -231,6 +245,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.HealthRequest.FromString,
                     response_serializer=cpchat_dot_protocol_dot_cpchat__pb2.HealthReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.HeartbeatRequest.FromString,
+                    response_serializer=cpchat_dot_protocol_dot_cpchat__pb2.Beat.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
@@ -510,6 +529,33 @@ class Control:
             '/cpchat.Control/Health',
             cpchat_dot_protocol_dot_cpchat__pb2.HealthRequest.SerializeToString,
             cpchat_dot_protocol_dot_cpchat__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/cpchat.Control/Heartbeat',
+            cpchat_dot_protocol_dot_cpchat__pb2.HeartbeatRequest.SerializeToString,
+            cpchat_dot_protocol_dot_cpchat__pb2.Beat.FromString,
             options,
             channel_credentials,
             insecure,

@@ -499,6 +499,14 @@ class ControlServicer(pb_grpc.ControlServicer):
                               data_plane_backends=available_backends(),
                               data_plane_port=self.s.data_plane_port)
 
+    def Heartbeat(self, request, context):
+        interval = min(max(request.interval_s, 0.05), 5.0)
+        seq = 0
+        while context.is_active() and not self.stop.is_set():
+            yield pb.Beat(seq=seq)
+            seq += 1
+            self.stop.wait(interval)
+
     def Shutdown(self, request, context):
         self.s.engine.flush()  # the prefix files being written are finished first
         self.stop.set()
