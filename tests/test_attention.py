@@ -197,12 +197,16 @@ def test_sink_joins_the_merge_once_like_the_fused_kernel(xp, window):
 
 
 @settings(max_examples=40, deadline=None)
-@given(problem=problems(), window=st.one_of(st.none(), st.integers(1, 40)), sinks=st.booleans())
-def test_fused_attention_over_keys_in_any_order_equals_one_pass(problem, window, sinks):
+@given(problem=problems(), window=st.one_of(st.none(), st.integers(1, 40)), sinks=st.booleans(),
+       value_dim=st.sampled_from([None, 24]))
+def test_fused_attention_over_keys_in_any_order_equals_one_pass(problem, window, sinks, value_dim):
     """One rank on a GPU: MLX's fused kernel over the keys as the shard holds them (any order here),
-    the queries in tiles, each masked only where some pair is not visible, the sinks given along."""
+    the queries in tiles, each masked only where some pair is not visible, the sinks given along;
+    values may have their own head size (MLA)."""
     kv_heads, groups, lq, lk, d, _, _, seed, tile = problem
     q, k, v = random_qkv(kv_heads, groups, lq, lk, d, seed, mx.float32)
+    if value_dim:
+        v = mx.random.normal((1, kv_heads, lk, value_dim), key=mx.random.key(seed + 7))
     logits = mx.linspace(-1, 1, q.shape[1]) if sinks else None
     q_pos, k_pos = np.arange(lk - lq, lk), np.random.default_rng(seed).permutation(lk)
     out = fused_attention(q, k, v, q_pos, k_pos, 0.3, window=window, sinks=logits, tile=tile)
