@@ -135,12 +135,12 @@ def thread_environment(threads: int, env: dict[str, str] | None = None) -> dict[
     return dict(os.environ if env is None else env) | {name: str(threads) for name in THREAD_VARIABLES} | SPIN
 
 
-def rerun_preloaded(module: str, argv: list[str], env: dict[str, str]) -> None:
-    """Re-execute `python -m module *argv` in `env`, unless this process already has its preload
-    and BLAS threads."""
+def rerun_preloaded(args: list[str], env: dict[str, str]) -> None:
+    """Re-execute `python *args` (`-m module ...` or `script ...`) in `env`, unless this process
+    already has its preload and BLAS threads."""
     if any(env.get(name) != os.environ.get(name) for name in ("LD_PRELOAD", *THREAD_VARIABLES, *SPIN)):
         sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+        os.execve(sys.executable, [sys.executable, *args], env)
 
 
 def in_use() -> BlasInfo:

@@ -188,7 +188,7 @@ def use_blas(choice: str, threads: int, argv: list[str]) -> None:
     """Re-execute this rank with the chosen BLAS preloaded and its threads set, unless it already
     has them (see cpchat/blas.py)."""
     env = blas.thread_environment(threads, blas.preload_environment(choice))
-    blas.rerun_preloaded("cpchat", ["rank", *argv], env)
+    blas.rerun_preloaded(["-m", "cpchat", "rank", *argv], env)
 
 
 def run_rank(argv: list[str]) -> int:

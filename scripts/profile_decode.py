@@ -13,14 +13,17 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import sys
 import threading
 import time
 
 import mlx.core as mx
 import mlx_lm
 
+from cpchat import blas
 from cpchat.bench.baseline import prompt_ids
 from cpchat.bench.models import in_form, random_model
+from cpchat.client.launcher import rank_environment
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.engine import Engine
 from cpchat.rank.transport.ring import Mailbox, Ring
@@ -71,6 +74,8 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
+    # As a rank runs: the fast BLAS preloaded, on every core (a re-execution, once).
+    blas.rerun_preloaded([__file__, *sys.argv[1:]], rank_environment(threads=blas.usable_cores()))
     path = args.model or str(in_form(random_model(args.hidden, args.layers), args.form))
 
     engine = Engine()

@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     from cpchat.blas import rerun_preloaded
     from cpchat.client.launcher import rank_environment
 
-    rerun_preloaded("cpchat.demo.evaluate", sys.argv[1:] if argv is None else argv, rank_environment())
+    argv = sys.argv[1:] if argv is None else argv
+    rerun_preloaded(["-m", "cpchat.demo.evaluate", *argv], rank_environment())
     if args.ask_doc:
         doc = args.ask_doc
         print(json.dumps(answer_questions(args.model, doc.name, doc.read_text(), args.question)))
