@@ -110,8 +110,7 @@ def test_a_rank_killed_or_stopped_mid_prefill_headless_exits_3_within_5_s(ring3,
     killed rank's streams break; a stopped one (a frozen machine) is given away by its heartbeat."""
     ranks, cluster, token = ring3
     victim = ranks[1]
-    prompt = tmp_path / "long.txt"
-    prompt.write_text(" ".join(f"word{i % 97} and{i % 13}" for i in range(1500)))
+    prompt = long_prompt(tmp_path)
     stats = cluster.ranks[0].control.Stats(pb.StatsRequest(interval_s=0.05), timeout=300, metadata=AUTH)
     p = headless(ranks, token, deep_model, max_tokens=4, prompt_file=prompt)
     try:
@@ -137,8 +136,7 @@ def test_a_rank_killed_or_stopped_mid_prefill_headless_exits_3_within_5_s(ring3,
 def test_a_stopped_local_rank_is_killed_and_the_front_end_exits_within_5_s(deep_model, tmp_path):
     """The front end's own ranks: a stopped one would answer Shutdown never (it used to be waited
     for, a minute); it is killed, and nothing is left behind."""
-    prompt = tmp_path / "long.txt"
-    prompt.write_text(" ".join(f"word{i % 97} and{i % 13}" for i in range(1500)))
+    prompt = long_prompt(tmp_path)
     args = ["--headless", "--ranks", "3", "--model", str(deep_model), "--raw", "--temp", "0", "--json",
             "--max-tokens", "4", "--prompt-file", str(prompt)]
     p = subprocess.Popen(CPCHAT + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -186,6 +184,13 @@ def test_a_slow_rank_is_not_taken_for_a_stopped_one(ring3, deep_model):
         os.kill(slow.pid, signal.SIGCONT)
     assert [t for t, _ in got] == [t for t, _ in reference_generate(deep_model, ids, 5)]
     assert took > 2.0, "the generation waited out at least one stop"
+
+
+def long_prompt(tmp_path: Path) -> Path:
+    """A prompt file whose prefill runs long enough to be interrupted."""
+    prompt = tmp_path / "long.txt"
+    prompt.write_text(" ".join(f"word{i % 97} and{i % 13}" for i in range(1500)))
+    return prompt
 
 def headless(attach: list[RankProc], token: Path, model: Path, max_tokens: int,
              prompt_file: Path | None = None) -> subprocess.Popen:

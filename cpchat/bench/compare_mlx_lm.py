@@ -233,15 +233,13 @@ def linear_flops_per_token(model: str) -> float:
 
 def attention_flops_per_token(served, context: int) -> float:
     """QK and PV of one query over the context/2 keys before it, on average, in every attention layer."""
-    layers = served.num_layers - served.state_layers
-    return 2.0 * 2 * served.num_q_heads * served.head_dim * context / 2 * layers
+    return 2.0 * 2 * served.num_q_heads * served.head_dim * context / 2 * served.attention_layers
 
 
 def exchange_wait_ms(stats, served) -> float:
     """A decode step's wait for the other ranks' partial outputs, per attention layer, averaged over
     the ranks: the latency of the exchange and the ranks' skew."""
-    layers = served.num_layers - served.state_layers
-    waits = [sum(t.wait_ms for t in s.ring_steps if t.step > 0) / layers for s in stats]
+    waits = [sum(t.wait_ms for t in s.ring_steps if t.step > 0) / served.attention_layers for s in stats]
     return sum(waits) / len(waits)
 
 

@@ -67,6 +67,11 @@ class ServedModel:
     state_layers: int = 0  # of num_layers, those with a recurrent state instead of K/V
     kv_format: KVFormat = FULL_PRECISION  # how the ranks keep K/V (--kv-bits)
 
+    @property
+    def attention_layers(self) -> int:
+        """The layers that keep K/V and attend (the others keep a recurrent state)."""
+        return self.num_layers - self.state_layers
+
 
 @dataclass
 class RankHandle:

@@ -219,7 +219,7 @@ class Session:
         head_dim = m.head_dim or 64  # ranks older than the field: the model's own sizes are unknown
         return Workload(new_tokens, cached_tokens, self.cluster.size, m.num_q_heads, m.num_kv_heads,
                         head_dim, m.value_dim or head_dim, m.bytes_per_element,
-                        max(m.num_layers - m.state_layers, 1), m.kv_format)
+                        max(m.attention_layers, 1), m.kv_format)
 
     def measured(self) -> Measured:
         c = self.cluster
