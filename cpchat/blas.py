@@ -15,6 +15,7 @@ re-execute themselves with it), the launcher and the benchmark.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -22,6 +23,7 @@ import os
 import shutil
 import sys
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,3 +203,24 @@ def _library_of(address: int) -> str:
     if not dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.dli_fname:
         return ""
     return os.path.realpath(info.dli_fname.decode())
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    """Run MLX's BLAS (OpenBLAS or oneMKL, as `in_use` finds it) with `n` threads inside the block,
+    then as before; nothing changes for any other library."""
+    library = in_use().library
+    lib = ctypes.CDLL(library, mode=os.RTLD_NOLOAD | os.RTLD_LAZY) if library else None
+    get, put = None, None
+    if hasattr(lib, "openblas_set_num_threads"):
+        get, put = lib.openblas_get_num_threads, lib.openblas_set_num_threads
+    elif hasattr(lib, "MKL_Set_Num_Threads"):
+        get, put = lib.MKL_Get_Max_Threads, lib.MKL_Set_Num_Threads
+    before = get() if get else 0
+    if put and n != before:
+        put(n)
+    try:
+        yield
+    finally:
+        if put and n != before:
+            put(before)

@@ -186,3 +186,18 @@ def test_a_thread_count_below_one_is_a_usage_error(capsys):
         cli_main(["--headless", "--threads", "0", "--prompt", "hi"])
     assert exit_.value.code == 2
     assert "--threads: expected a whole number of at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["openblas", "mkl"])
+def test_a_rank_can_run_its_blas_on_more_threads_for_a_while(kind):
+    """A lead decode step runs rank 0's products on every core, and its prefill on its share again."""
+    installed(kind)
+    env = blas.thread_environment(1, blas.preload_environment(kind, clean_environment()))
+    script = ("import json; from cpchat.blas import in_use, threads\n"
+              "before = in_use().threads\n"
+              "with threads(2):\n    during = in_use().threads\n"
+              "print(json.dumps([before, during, in_use().threads]))")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [1, 2, 1]  # (oneMKL runs at most one thread a core: 2 here)

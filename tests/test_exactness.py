@@ -154,23 +154,29 @@ def test_turns_mix_every_algorithm(clusters, model_dir, ranks):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_decode_over_the_ring_equals_decode_in_one_exchange(clusters, model_dir, ranks):
-    """Both ways of sharing a decode step's partial outputs give mlx-lm's tokens; the stats name
-    the exchange that ran, and the ring variant takes N-1 hops per layer where the exchange takes one."""
+def test_every_decode_step_gives_mlx_lms_tokens(clusters, model_dir, ranks):
+    """Every way of running a decode step gives mlx-lm's tokens, and the stats name the one that ran:
+    the ring takes N-1 hops a layer where the exchange takes one, and in a lead step rank 0 sends a
+    query and takes partials back (two steps) while the others take a query and answer (one)."""
     path = model_dir("mistral")
     cluster = clusters.get(ranks, path)
     ids = random_prompt(path, 123, seed=5)
     expected = reference_generate(path, ids, MAX_TOKENS)
-    for decode, steps in (("ring", ranks), ("exchange", 2)):
+    held = []
+    steps_of = {"ring": [ranks] * ranks, "exchange": [2] * ranks, "lead": [2] + [1] * (ranks - 1)}
+    for decode, steps in steps_of.items():
         cluster.reset(0)
         session = raw_session(cluster, path, "pass_kv", MAX_TOKENS)
         session.decode = decode
-        tokens, _ = next_turn(session, ids)
+        tokens, events = next_turn(session, ids)
         assert_same(tokens, expected)
         stats = cluster.stats_once()
         assert {s.algorithm for s in stats} == {f"decode_{decode}"}
-        assert {len({t.step for t in s.ring_steps}) for s in stats} == {steps}
+        assert [len({t.step for t in s.ring_steps}) for s in stats] == steps
+        held.append([r.kv_tokens for r in done_event(events).ranks])
+    assert held[0] == held[1] == held[2]  # new tokens' K/V kept round the ranks, however the step ran
     cluster.reset(0)
     session = raw_session(cluster, path, "pass_kv", MAX_TOKENS)  # decode "auto": the cost model's pick
+    assert session.decode_exchange(len(ids)) == "lead"  # every rank of this cluster computes on this machine
     assert_same(next_turn(session, ids)[0], expected)
     assert {s.algorithm for s in cluster.stats_once()} == {f"decode_{session.decode_exchange(len(ids))}"}

@@ -23,6 +23,7 @@ from test_exactness import assert_same
 
 from cpchat.core.gated_delta import chunked_gated_delta
 from cpchat.core.recurrence import add_start_state, fold
+from cpchat.errors import BadInput
 from cpchat.rank.fit import mix_in
 from cpchat.rank.linear_layers import RECURRENCES, ShiftedConv, chunk_transform, chunked_gated_delta_update
 from cpchat.smallmodels import convert_model
@@ -46,6 +47,12 @@ def test_hybrid_matches_mlx_lm(clusters, model_dir, arch, ranks):
     assert "linear" in prefill_event(events).linear_layers
     assert len({r.state_bytes for r in done_event(events).ranks}) == 1  # the same state on every rank
     assert done_event(events).ranks[0].state_bytes > 0
+    if ranks > 1:  # every rank advances the states with every token: the decode step runs everywhere
+        assert {s.algorithm for s in cluster.stats_once()} <= {"decode_exchange", "decode_ring"}
+        session = raw_session(cluster, path, "auto", MAX_TOKENS)
+        session.decode = "lead"
+        with pytest.raises(BadInput, match="linear layers keep a state that every rank advances"):
+            next_turn(session, ids)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])

@@ -322,6 +322,17 @@ class Cluster:
                            f"({offered})")
         return shared[0]
 
+    def _on_host_of(self, r: RankHandle) -> list[RankHandle]:
+        """The ranks on r's host: those that share memory with r or its address."""
+        links = self.link_transports
+        return [s for s in self.ranks if s.host == r.host or (links and links[r.rank][s.rank] == "shm")]
+
+    @property
+    def one_machine(self) -> bool:
+        """Whether every rank computes on the CPU cores of one machine."""
+        on_cpu = all(r.computes_on_cpu for r in self.ranks)
+        return on_cpu and len(self._on_host_of(self.ranks[0])) == self.size
+
     @property
     def spare_cores(self) -> bool:
         """Whether every host has a CPU core beyond those its ranks compute on, to move their tensors
@@ -329,10 +340,7 @@ class Cluster:
         for r in self.ranks:
             if not r.computes_on_cpu:
                 continue
-            on_host = [s for s in self.ranks
-                       if s.host == r.host
-                       or (self.link_transports and self.link_transports[r.rank][s.rank] == "shm")]
-            if len(on_host) >= r.cpu_cores:
+            if len(self._on_host_of(r)) >= r.cpu_cores:
                 return False
         return True
 

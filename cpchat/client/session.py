@@ -105,8 +105,8 @@ class Session:
         self.save_min_tokens = SAVE_MIN_TOKENS
         self.saved = 0  # of the tokens the ring holds, how many begin a prefix saved on its disks
         self.algorithm = algorithm
-        # How decode steps share partial outputs: "exchange" (one step), "ring", or "auto" (the cost
-        # model's choice from the measured latencies).
+        # How decode steps run: "exchange" (partial outputs in one step), "ring", "lead" (rank 0 runs
+        # the model, the others attend its queries), or "auto" (the cost model's choice).
         self.decode = decode
         self.sampling = sampling or SamplingOptions()
         self.messages: list[Message] = []
@@ -219,13 +219,13 @@ class Session:
         head_dim = m.head_dim or 64  # ranks older than the field: the model's own sizes are unknown
         return Workload(new_tokens, cached_tokens, self.cluster.size, m.num_q_heads, m.num_kv_heads,
                         head_dim, m.value_dim or head_dim, m.bytes_per_element,
-                        max(m.attention_layers, 1), m.kv_format)
+                        max(m.attention_layers, 1), m.kv_format, states=m.state_layers > 0)
 
     def measured(self) -> Measured:
         c = self.cluster
         per_pair = c.prefill_cost.per_pair_s if c.prefill_cost and c.prefill_cost.per_pair_s else 1e-9
         return Measured(per_pair, max(min(c.ring_bytes_per_s, 1e15), 1.0), c.hop_latency_s,
-                        c.exchange_latency_s, overlap=c.spare_cores)
+                        c.exchange_latency_s, overlap=c.spare_cores, one_machine=c.one_machine)
 
     # ---- a turn
 

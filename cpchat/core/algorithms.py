@@ -30,6 +30,9 @@ REGISTRY = (
               "every rank sends its partial output to every other rank at once"),
     Algorithm("ring", "ring", "decode", "DECODE_RING", "decode:ring",
               "partial outputs travel the ring (N-1 hops)"),
+    Algorithm("lead", "lead", "decode", "DECODE_LEAD", "decode:lead",
+              "rank 0 runs the model and sends each layer's query to every other rank, which send "
+              "back their partial outputs"),
 )
 BY_NAME = {a.name: a for a in REGISTRY}
 PREFILL_ALGORITHMS = tuple(a.name for a in REGISTRY if a.stage == "prefill")

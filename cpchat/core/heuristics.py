@@ -26,7 +26,11 @@ move them while they compute, and pass-KV's and all-gather's transfers add to th
 of hiding behind it (`Measured.overlap` false): C + (N-1)(α + K/B) and C + α_x + (N-1) K/B.
 
 Decode (one new token after a cache) exchanges only partial outputs, S = Hq (Dv + 1) · 4 bytes per
-rank: over the ring (N-1)(α + S/B) per layer, in one exchange α_x + (N-1) S/B.
+rank: over the ring (N-1)(α + S/B) per layer, in one exchange α_x + (N-1) S/B. Or rank 0 alone runs
+the model (the lead step): the query out to every other rank and their partials back, α_x + (N-1)(Q1
++ S)/B with Q1 = Hq D e. It costs a message more than the exchange, but where every rank computes on
+one machine's cores the others' copies of the weight products only take cores from rank 0's: there
+the lead step is taken, unless some layer keeps a recurrent state that every rank must advance.
 
 Meta's rule (arXiv 2411.01783, section 3) is this model restricted to pass-KV and pass-Q:
 pass-KV when T/(T+P) ≥ 2 Hkv/Hq (then K ≤ Q, so every pass-KV hop costs less than a pass-Q one)
@@ -59,6 +63,7 @@ class Workload:
     bytes_per_element: int
     layers: int
     kv_format: KVFormat = FULL_PRECISION  # --kv-bits: K/V travel quantized past kv_format.start tokens
+    states: bool = False  # some layers keep a recurrent state (linear attention) instead of K/V
 
     def __post_init__(self) -> None:
         if self.new_tokens < 1 or self.cached_tokens < 0:
@@ -79,6 +84,7 @@ class Measured:
     hop_latency_s: float  # one small message to a ring neighbour
     exchange_latency_s: float  # a small message to every other rank and one from each
     overlap: bool = True  # a core is free to move tensors while the ranks compute
+    one_machine: bool = False  # every rank computes on the cores of one machine
 
     def __post_init__(self) -> None:
         if self.per_pair_s <= 0 or self.link_bytes_per_s <= 0:
@@ -134,22 +140,27 @@ def choose_algorithm(w: Workload, m: Measured, candidates: tuple[str, ...] = PRE
 
 
 def decode_estimates(w: Workload, m: Measured) -> dict[str, float]:
-    """Seconds per decode token spent exchanging partial outputs: over the ring, or in one exchange."""
-    n, size = w.ranks, w.q_heads * (w.value_dim + 1) * 4
+    """Seconds per decode token spent exchanging partial outputs: over the ring, in one exchange, or
+    the lead's queries out and partials back."""
+    n, size, query = w.ranks, w.q_heads * (w.value_dim + 1) * 4, w.q_heads * w.head_dim * w.bytes_per_element
     if n == 1:
         return dict.fromkeys(DECODE_EXCHANGES, 0.0)
     b = m.link_bytes_per_s
     return {
         "exchange": w.layers * (m.exchange_latency_s + (n - 1) * size / b),
         "ring": w.layers * (n - 1) * (m.hop_latency_s + size / b),
+        "lead": w.layers * (m.exchange_latency_s + (n - 1) * (query + size) / b),
     }
 
 
 def choose_decode(w: Workload, m: Measured) -> str:
-    """How decode steps should share partial outputs: whichever of DECODE_EXCHANGES is estimated
+    """How decode steps share the work: the lead step where every rank computes on one machine's
+    cores (and no state needs every rank), else whichever exchange of partial outputs is estimated
     faster (one exchange on a tie)."""
+    if w.ranks > 1 and m.one_machine and not w.states:
+        return "lead"
     estimates = decode_estimates(w, m)
-    return min(DECODE_EXCHANGES, key=estimates.get)
+    return min(("exchange", "ring"), key=estimates.get)
 
 
 def _ms(seconds: float) -> str:

@@ -20,6 +20,7 @@ class Decode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECODE_UNSPECIFIED: _ClassVar[Decode]
     DECODE_EXCHANGE: _ClassVar[Decode]
     DECODE_RING: _ClassVar[Decode]
+    DECODE_LEAD: _ClassVar[Decode]
 
 class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +43,7 @@ ULYSSES: Algorithm
 DECODE_UNSPECIFIED: Decode
 DECODE_EXCHANGE: Decode
 DECODE_RING: Decode
+DECODE_LEAD: Decode
 FRAME_KIND_UNSPECIFIED: FrameKind
 KV: FrameKind
 QUERY: FrameKind

@@ -81,6 +81,8 @@ class RingPass:
     seq_len: int = 0  # new tokens in this forward (all ranks' together, in prefill)
     timings: list[StepTiming] = field(default_factory=list)
     calls: list[AttentionCall] = field(default_factory=list)  # what each layer asked of attention
+    layer_calls: dict[int, LayerCall] = field(default_factory=dict)  # the same, as the algorithms take it
+    unkept: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict)  # new K/V another rank keeps
     recurrences: list[tuple[int, str]] = field(default_factory=list)  # what each linear layer ran
 
     @property
@@ -96,6 +98,7 @@ class RingPass:
 
     def store_new(self, layer: int, keys: mx.array, values: mx.array) -> None:
         if not self.store:
+            self.unkept[layer] = (keys, values)  # a lead decode step sends them to the rank that keeps them
             return
         k, v = _flatten_rows(keys), _flatten_rows(values)
         if not self.real.all():
@@ -113,6 +116,7 @@ class RingPass:
                                    "MLA's RoPE scores), which the ring cannot apply across ranks")
         self.calls.append(AttentionCall(layer, heads, sinks is not None))
         call = LayerCall(layer, scale, self.windows[layer], values.shape[1], values.shape[-1])
+        self.layer_calls[layer] = call
         q = _flatten_rows(queries)
         k, v, k_pos = self.kv.layer(layer)
         if self.ring.size > 1:  # blocks must be concrete before they travel

@@ -8,6 +8,7 @@ stores its K/V on one rank, chosen round-robin by position.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from cpchat import blas
 from cpchat.checkpoints.resolve import is_checkpoint, model_dir
 from cpchat.core.algorithms import BY_NAME
 from cpchat.core.attention import partial_attention
@@ -27,8 +29,8 @@ from cpchat.core.quantized_kv import BITS, FULL_PRECISION, GROUP_SIZES, KVFormat
 from cpchat.core.sharding import head_tail_layout, owner_of, owners
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import context_parallel, fit, latent_attention, linear_layers
-from cpchat.rank.algorithms import DECODE, PREFILL
-from cpchat.rank.context_parallel import RingPass, ShardCache, StepTiming
+from cpchat.rank.algorithms import DECODE, PREFILL, decode
+from cpchat.rank.context_parallel import LayerCall, RingPass, ShardCache, StepTiming
 from cpchat.rank.cpu_products import MIN_ROWS, use_float32_products
 from cpchat.rank.fit import LayerAttention, LayerRecurrence, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
@@ -266,6 +268,7 @@ class Engine:
         self.total_tokens = 0  # tokens the whole ring holds
         self.last_timings: list[StepTiming] = []
         self.last_algorithm = ""
+        self.layer_calls: dict[int, LayerCall] = {}
         self.prefill_cost = PrefillCost(0, 0, 0)  # of the loaded model, measured once when it loads
         self.keep_floor = 0
         # The prefix cache (None: --no-cache): what the ring holds is described by its token ids and
@@ -412,14 +415,29 @@ class Engine:
             start=position,
             seq_len=1,
         )
-        logits = _run_model(self.model, ring_pass, mx.array([[token]]), row=0)
+        if ring_pass.algorithm == "lead" and ring.rank != 0:
+            decode.follow(ring_pass, [self.layer_calls[i] for i in sorted(self.layer_calls)])
+            if store:
+                self.kv.commit()
+            logits = None
+        else:
+            logits = _run_model(self.model, ring_pass, mx.array([[token]]), row=0)
         self._record(ring_pass)
         self.total_tokens = position + 1
         self.tokens = np.append(self.tokens, np.uint32(token))
         return logits if ring.rank == 0 else None
 
+    @staticmethod
+    def _decode_threads(req: pb.GenerateRequest, ring: Ring) -> contextlib.AbstractContextManager:
+        """In a lead decode step rank 0 runs the weight products alone, on every core of the machine."""
+        if ring.rank == 0 and ring.size > 1 and DECODE[req.decode].name == "lead":
+            return blas.threads(blas.usable_cores())
+        return contextlib.nullcontext()
+
     def _record(self, ring_pass: RingPass) -> None:
         self.last_timings = ring_pass.timings
+        if ring_pass.layer_calls:
+            self.layer_calls = ring_pass.layer_calls  # how each attention layer attends, for a lead step
         algorithm = BY_NAME[ring_pass.algorithm]  # RankStats.algorithm names a decode pass "decode_NAME"
         self.last_algorithm = algorithm.name if algorithm.stage == "prefill" else f"decode_{algorithm.name}"
 
@@ -434,6 +452,9 @@ class Engine:
             raise BadRequest(f"unknown algorithm {req.algorithm}")
         if req.decode not in DECODE:
             raise BadRequest(f"unknown decode exchange {req.decode}")
+        if DECODE[req.decode].name == "lead" and self.info.linear:
+            raise BadRequest(f"{self.info.model_type}'s linear layers keep a state that every rank advances "
+                             "with every token: a lead decode step, run by rank 0 alone, cannot serve it")
         bad = [t for t in req.tokens if t >= self.info.vocab_size]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
@@ -510,17 +531,18 @@ class Engine:
             emit(pb.GenerateEvent(prefill=pb.PrefillDone(ms=1000 * (time.perf_counter() - t0),
                                                          linear_layers=self.linear_summary(ring.size),
                                                          state_combine_ms=combine_ms)))
-            for index in range(req.max_tokens):
-                if token in stop:
-                    break
-                emit(pb.GenerateEvent(token=pb.TokenEvent(id=token, logprob=logprob)))
-                if index + 1 >= req.max_tokens:
-                    break
-                if abort.is_set():
-                    raise Aborted(req.request_id)
-                quantize_by(self.total_tokens)
-                logits = self._decode(req, ring, abort, token)
-                token, logprob = self._agree(req, ring, abort, 0, index + 1, logits)
+            with self._decode_threads(req, ring):
+                for index in range(req.max_tokens):
+                    if token in stop:
+                        break
+                    emit(pb.GenerateEvent(token=pb.TokenEvent(id=token, logprob=logprob)))
+                    if index + 1 >= req.max_tokens:
+                        break
+                    if abort.is_set():
+                        raise Aborted(req.request_id)
+                    quantize_by(self.total_tokens)
+                    logits = self._decode(req, ring, abort, token)
+                    token, logprob = self._agree(req, ring, abort, 0, index + 1, logits)
             if self.slides:
                 self._forget_outside_windows(prompt_end, rollback_to=prompt_end)
                 self.keep_floor = prompt_end

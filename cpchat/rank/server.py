@@ -95,7 +95,7 @@ def check_frame(f: pb.Frame, data_bytes: int, ring: Ring | None, ring_id: str, l
     if f.kind in LAYER_KINDS:
         if f.layer >= layers:
             raise FrameError(f"layer {f.layer} outside the model's {layers} layers")
-        if f.step >= (2 * size if f.kind == pb.PARTIAL else size):
+        if f.step >= (2 * size if f.kind in (pb.PARTIAL, pb.QUERY) else size):  # decode: + N at odd positions
             raise FrameError(f"step {f.step} outside a ring of {size}")
     elif f.kind not in (pb.TOKEN, pb.PROBE):
         raise FrameError(f"unknown frame kind {f.kind}")

@@ -4,7 +4,12 @@ Each rank computes its partial output (cpchat.core.attention.partial_attention) 
 are merged in rank order on every rank (merge_partials), so all ranks agree bit for bit and go on
 with the same token. `exchange` sends them to every rank at once (one step), `ring` around the
 ring (N-1 hops). A partial travels as one tensor, its lse a last column of its output: one frame,
-one message and one wake-up a hop, where a step's latency is what a user waits for."""
+one message and one wake-up a hop, where a step's latency is what a user waits for.
+
+`lead` is for ranks that share one machine's cores, where each rank's copy of a step's weight
+products only takes cores from the others: rank 0 alone runs the model and sends each layer's
+query to the other ranks (with the new token's keys and values to the one that keeps them), which
+`follow`: they attend the query over their keys and send their partials back, to be merged on rank 0."""
 
 from __future__ import annotations
 
@@ -43,6 +48,37 @@ def ring(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.a
         block = rp.take(timing, rp.key(layer, step, pb.PARTIAL))
         parts[(rp.ring.rank - step - 1) % n] = _unpacked(block)
     return merge_partials([parts[r] for r in range(n)])
+
+
+def lead(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.array | None,
+         k_pos: np.ndarray) -> Partial:
+    """Rank 0's part of a lead step: the query out, its own partial, every other rank's back."""
+    n, layer = rp.ring.size, call.layer
+    timing = rp.step_timing(layer, 0)
+    if n > 1:
+        keeper, new = rp.start % n, rp.unkept.get(layer, ())
+        mx.eval(q, *new)
+        for r in rp.ring.peers:
+            rp.send(timing, rp.key(layer, 0, pb.QUERY), [q, *new] if r == keeper else [q], to=[r])
+    mine = rp.partial(call, timing, q, rp.q_positions, k, v, k_pos)
+    if n == 1:
+        return mine
+    timing = rp.step_timing(layer, 1)
+    return merge_partials([mine if r == 0 else _unpacked(rp.take(timing, rp.key(layer, 0, pb.PARTIAL), r))
+                           for r in range(n)])
+
+
+def follow(rp: RingPass, calls: list[LayerCall]) -> None:
+    """Another rank's part of a lead step, layer by layer: rank 0's query (and the new token's keys
+    and values, if this rank keeps them) in, its partial over this rank's keys out."""
+    for call in calls:
+        timing = rp.step_timing(call.layer, 0)
+        q, *new = rp.take(timing, rp.key(call.layer, 0, pb.QUERY), 0)
+        if new:
+            rp.store_new(call.layer, *new)
+        k, v, k_pos = rp.kv.layer(call.layer)
+        mine = rp.partial(call, timing, q, rp.q_positions, k, v, k_pos)
+        rp.send(timing, rp.key(call.layer, 0, pb.PARTIAL), [_packed(mine)], to=[0])
 
 
 def _packed(partial: Partial) -> mx.array:
