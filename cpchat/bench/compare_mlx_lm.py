@@ -238,9 +238,11 @@ def attention_flops_per_token(served, context: int) -> float:
 
 def exchange_wait_ms(stats, served) -> float:
     """A decode step's wait for the other ranks' partial outputs, per attention layer, averaged over
-    the ranks: the latency of the exchange and the ranks' skew."""
-    waits = [sum(t.wait_ms for t in s.ring_steps if t.step > 0) / served.attention_layers for s in stats]
-    return sum(waits) / len(waits)
+    the ranks that wait for them (every rank in an exchange, rank 0 in a lead step): the exchange's
+    latency and the ranks' skew (and in a lead step, the other ranks' attention)."""
+    waits = [sum(t.wait_ms for t in s.ring_steps if t.step > 0) / served.attention_layers
+             for s in stats if any(t.step > 0 for t in s.ring_steps)]
+    return sum(waits) / len(waits) if waits else 0.0
 
 
 def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> tuple[float, int]:
