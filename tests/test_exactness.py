@@ -64,6 +64,14 @@ def test_local_ranks_send_through_shared_memory(clusters, model_dir):
     assert cluster.link_transports == [["", "shm", "shm"], ["shm", "", "shm"], ["shm", "shm", ""]]
     # Three ranks computing on the CPU leave a core to move tensors only on a host of four or more.
     assert cluster.spare_cores == (len(os.sched_getaffinity(0)) > 3)
+    assert cluster.one_machine
+    address, links = cluster.ranks[2].address, cluster.link_transports
+    cluster.ranks[2].address = "10.0.0.7:5000"  # as a rank on another host: its own address, over gRPC
+    cluster.link_transports = [["", "shm", "grpc"], ["shm", "", "grpc"], ["grpc", "grpc", ""]]
+    try:
+        assert not cluster.one_machine
+    finally:
+        cluster.ranks[2].address, cluster.link_transports = address, links
 
 
 def test_every_algorithm_over_grpc_alone(model_dir):

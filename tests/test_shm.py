@@ -183,7 +183,7 @@ print(repr(s.recv(8)))
     assert done.stdout.strip() == "b''"  # the right token, the wrong user: closed without a word
 
 
-def test_a_malformed_message_cuts_that_link_only(receiver):
+def test_a_malformed_message_cuts_that_link_only_and_says_why(receiver, capfd):
     endpoint = receiver.listener.endpoint
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     raw.connect("\0" + endpoint)
@@ -195,6 +195,8 @@ def test_a_malformed_message_cuts_that_link_only(receiver):
                       dtype="float32", shape=[1 << 20]).SerializeToString()
     raw.sendmsg([shm.CHUNK.pack(0, 4 << 20, len(header)), header])  # 4 MiB from a 1 MiB buffer
     assert raw.recv(8) == b""  # cut
+    said = capfd.readouterr().err
+    assert "cut a shared-memory link: bad frame: chunk lies outside the shared buffer" in said
     raw.close()
     os.close(fd)
     assert receiver.closed == []

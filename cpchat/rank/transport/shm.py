@@ -22,6 +22,7 @@ import os
 import secrets
 import socket
 import struct
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -235,7 +236,8 @@ class SharedMemoryListener:
                 ring_id, source = frame.ring_id, frame.source_rank
             else:
                 ring_id = None  # said goodbye
-        except ValueError:  # FrameError: a bad frame cuts this link only, as on gRPC
+        except ValueError as e:  # FrameError: a bad frame cuts this link only, as on gRPC
+            print(f"cpchat rank: cut a shared-memory link: bad frame: {e}", file=sys.stderr, flush=True)
             ring_id = None
         except OSError:
             pass  # the sender is gone (a reset: it died with credits unread)
