@@ -37,7 +37,7 @@ def variant_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("ranks, algorithm",
-                         [(2, "pass_kv"), (3, "pass_q"), (3, "all_gather"), (4, "ulysses")])
+                         [(1, "pass_kv"), (2, "pass_kv"), (3, "pass_q"), (3, "all_gather"), (4, "ulysses")])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_architecture_matches_mlx_lm(clusters, variant_dir, name, ranks, algorithm):
     path = variant_dir(name)

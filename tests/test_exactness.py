@@ -15,6 +15,7 @@ from helpers import (
 )
 
 from cpchat.client.cluster import Cluster
+from cpchat.client.generation import GenerationRequest, TokenOut
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 ALGORITHMS = ("pass_kv", "pass_q", "all_gather", "ulysses", "auto")
@@ -188,3 +189,25 @@ def test_every_decode_step_gives_mlx_lms_tokens(clusters, model_dir, ranks):
     assert session.decode_exchange(len(ids)) == "lead"  # every rank of this cluster computes on this machine
     assert_same(next_turn(session, ids)[0], expected)
     assert {s.algorithm for s in cluster.stats_once()} == {f"decode_{session.decode_exchange(len(ids))}"}
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_stop_token_mid_answer_leaves_the_ranks_holding_what_they_read(clusters, model_dir, ranks):
+    """A stop token ends the answer where mlx-lm's would, and the ranks hold the prompt and the tokens
+    before it, not the step a rank alone builds ahead from the stop token before it knows it is one;
+    so the next turn is exact."""
+    path = model_dir("llama")
+    cluster = clusters.get(ranks, path)
+    ids = random_prompt(path, 40, seed=11)
+    tokens = [t for t, _ in reference_generate(path, ids, MAX_TOKENS)]
+    cut = next(i for i in range(2, MAX_TOKENS) if tokens[i] not in tokens[:i])  # first seen mid-answer
+    events = list(cluster.generate(GenerationRequest(ids, max_tokens=MAX_TOKENS, stop_tokens=[tokens[cut]])))
+    assert [e.id for e in events if isinstance(e, TokenOut)] == tokens[:cut]
+    held = len(ids) + cut
+    assert events[-1].done.cached_tokens == held
+    if ranks == 1:
+        assert events[-1].done.kv_tokens == held
+    more = random_prompt(path, 5, seed=12)
+    events = list(cluster.generate(GenerationRequest(more, keep_tokens=held, max_tokens=MAX_TOKENS)))
+    assert_same([(e.id, e.logprob) for e in events if isinstance(e, TokenOut)],
+                reference_generate(path, ids + tokens[:cut] + more, MAX_TOKENS))

@@ -225,21 +225,24 @@ def measure_prefill(model, info: ModelShape) -> PrefillCost:
     return PrefillCost(fixed, per_token, per_pair)
 
 
-def _run_model(model, ring_pass: RingPass, ids: mx.array, row: int) -> mx.array:
+def _run_model(model, ring_pass: RingPass, ids: mx.array, row: int, evaluate: bool = True) -> mx.array:
     """The model's own __call__ (so its output path — softcapping, logit scaling — runs as in
-    mlx-lm) over this rank's rows, with the head applied to one flattened row only."""
+    mlx-lm) over this rank's rows, with the head applied to one flattened row only; evaluated, or
+    left a graph for the caller to evaluate."""
     caches = [StateCache(ring_pass, i) if i in ring_pass.linear else ShardCache(ring_pass, i)
               for i in range(ring_pass.kv.num_layers)]
     with fit.head_on_row(model, row):
         logits = model(ids, cache=caches)
-    mx.eval(logits)
+    if evaluate:
+        mx.eval(logits)
     if ring_pass.store:
-        ring_pass.kv.commit()
+        ring_pass.kv.commit(evaluate)
     return logits[0, 0]
 
 
-def sample(logits: mx.array, sampling: pb.Sampling, index: int) -> tuple[int, float]:
-    """The next token and its log-probability under the untempered distribution."""
+def sample(logits: mx.array, sampling: pb.Sampling, index: int) -> tuple[mx.array, mx.array]:
+    """The next token and its log-probability under the untempered distribution, as arrays of one
+    element (a graph, until evaluated)."""
     from mlx_lm.sample_utils import make_sampler
 
     logits = logits.astype(mx.float32)
@@ -248,8 +251,7 @@ def sample(logits: mx.array, sampling: pb.Sampling, index: int) -> tuple[int, fl
         mx.random.seed((sampling.seed * 1_000_003 + index) % (1 << 32))
     top_p = sampling.top_p if 0 < sampling.top_p < 1 else 0.0
     token = make_sampler(sampling.temperature, top_p)(logprobs[None])
-    token = int(token.item())
-    return token, float(logprobs[token].item())
+    return token, logprobs[token]
 
 
 def _covers(new: dict, old: dict) -> bool:
@@ -393,8 +395,11 @@ class Engine:
         return logits if mine else None
 
     def _decode(
-        self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, token: int
+        self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, token: int | mx.array,
+        evaluate: bool = True,
     ) -> mx.array | None:
+        """One token's step; `token` may be a graph still being evaluated (a pipelined step, which
+        is left a graph too)."""
         position = self.total_tokens
         store = position % ring.size == ring.rank
         if store:
@@ -421,11 +426,50 @@ class Engine:
                 self.kv.commit()
             logits = None
         else:
-            logits = _run_model(self.model, ring_pass, mx.array([[token]]), row=0)
+            ids = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]])
+            logits = _run_model(self.model, ring_pass, ids, row=0, evaluate=evaluate)
         self._record(ring_pass)
         self.total_tokens = position + 1
-        self.tokens = np.append(self.tokens, np.uint32(token))
         return logits if ring.rank == 0 else None
+
+    def _answer(self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, emit,
+                first: tuple[int, float], stop: set[int], quantize_by: Callable[[int], None]) -> int:
+        """Emit the first token and decode the rest; the last token (emitted, or the stop token).
+        A rank alone runs as mlx-lm's generate_step does: the step after next is built from the next
+        token before that token is known, so building one step overlaps evaluating the other, and a
+        step built from what turns out to be a stop token is forgotten. Ranks of a ring take each
+        token from the sampling rank before they step (linear layers' states keep that order too)."""
+        pipelined = ring.size == 1 and not self.info.linear
+
+        def step(previous: int | mx.array, index: int) -> tuple[mx.array, mx.array]:
+            quantize_by(self.total_tokens)
+            pending = sample(self._decode(req, ring, abort, previous, evaluate=False), req.sampling, index)
+            mx.async_eval(*pending)
+            return pending
+
+        (token, logprob), ahead = first, None  # ahead: the step that gives token index + 1, under way
+        for index in range(req.max_tokens):
+            if token in stop:
+                break
+            emit(pb.GenerateEvent(token=pb.TokenEvent(id=token, logprob=logprob)))
+            if index + 1 >= req.max_tokens:
+                break
+            if abort.is_set():
+                raise Aborted(req.request_id)
+            if pipelined:
+                ahead = step(token, index + 1) if ahead is None else ahead
+                following = step(ahead[0], index + 2) if index + 2 < req.max_tokens else None
+                self.tokens = np.append(self.tokens, np.uint32(token))
+                (token, logprob), ahead = (a.item() for a in ahead), following
+            else:
+                quantize_by(self.total_tokens)
+                logits = self._decode(req, ring, abort, token)
+                self.tokens = np.append(self.tokens, np.uint32(token))
+                token, logprob = self._agree(req, ring, abort, 0, index + 1, logits)
+        if ahead is not None:  # built from a stop token: its K/V go
+            self.total_tokens -= 1
+            self.kv.truncate(self.total_tokens)
+        return token
 
     @staticmethod
     def _decode_threads(req: pb.GenerateRequest, ring: Ring) -> contextlib.AbstractContextManager:
@@ -532,17 +576,7 @@ class Engine:
                                                          linear_layers=self.linear_summary(ring.size),
                                                          state_combine_ms=combine_ms)))
             with self._decode_threads(req, ring):
-                for index in range(req.max_tokens):
-                    if token in stop:
-                        break
-                    emit(pb.GenerateEvent(token=pb.TokenEvent(id=token, logprob=logprob)))
-                    if index + 1 >= req.max_tokens:
-                        break
-                    if abort.is_set():
-                        raise Aborted(req.request_id)
-                    quantize_by(self.total_tokens)
-                    logits = self._decode(req, ring, abort, token)
-                    token, logprob = self._agree(req, ring, abort, 0, index + 1, logits)
+                token = self._answer(req, ring, abort, emit, (token, logprob), stop, quantize_by)
             if self.slides:
                 self._forget_outside_windows(prompt_end, rollback_to=prompt_end)
                 self.keep_floor = prompt_end
@@ -632,7 +666,7 @@ class Engine:
         """The source rank samples and sends the token to every other rank at once."""
         key = BlockKey(req.request_id, 0, index, pb.TOKEN)
         if ring.rank == source:
-            token, logprob = sample(logits, req.sampling, index)
+            token, logprob = (a.item() for a in sample(logits, req.sampling, index))
             if ring.size > 1:
                 ring.send_all(key, [mx.array([token], mx.int32), mx.array([logprob], mx.float32)], ring.peers)
             return token, logprob

@@ -83,9 +83,11 @@ class KVShard:
     def _arrays(self) -> list[mx.array]:
         return [a for kv in self.keys + self.values if kv is not None for a in arrays_of(kv)]
 
-    def commit(self) -> None:
-        """The forward finished: its K/V are computed and its positions belong to the shard."""
-        mx.eval(self._arrays())
+    def commit(self, evaluate: bool = True) -> None:
+        """The forward finished: its positions belong to the shard, and its K/V are computed (or,
+        not `evaluate`d, still a graph: a pipelined decode step's)."""
+        if evaluate:
+            mx.eval(self._arrays())
         if self._pending is not None:
             self.positions = np.concatenate([self.positions, self._pending])
             self._layer_positions = [np.concatenate([p, self._pending]) for p in self._layer_positions]
