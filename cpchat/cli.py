@@ -282,4 +282,12 @@ def entry() -> None:
     except BrokenPipeError:  # whoever read our stdout has gone (`cpchat --list | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and no second error at exit
         code = EXIT_OK
-    sys.exit(code)
+    # Everything is written and the ranks are stopped. The interpreter's teardown of MLX's threads
+    # (the front end loads MLX for its K/V formats) can abort ("terminate called without an active
+    # exception", exit 134), as a rank's could (rank/server.py): leave without it, as the ranks do.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
