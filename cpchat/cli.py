@@ -7,7 +7,7 @@ import ipaddress
 import os
 import sys
 
-from cpchat import EXIT_OK, EXIT_USAGE, __version__, blas
+from cpchat import EXIT_BACKEND, EXIT_OK, EXIT_USAGE, __version__, blas
 from cpchat.client.cluster import TRANSPORTS
 from cpchat.client.connect import ClusterOptions, read_bytes, read_token
 from cpchat.core.algorithms import ALGORITHMS
@@ -19,9 +19,36 @@ def app_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cpchat",
         description="Chat over very long contexts with context-parallel attention across rank processes.",
-        epilog="Subcommands: 'cpchat rank --help' (serve a rank), 'cpchat bench --help' (benchmarks).",
+        epilog="Subcommands: 'cpchat rank --help' (serve a rank), 'cpchat bench --help' (benchmarks), "
+               "'cpchat plan --help' (what a context needs).",
     )
     p.add_argument("--version", action="version", version=f"cpchat {__version__}")
+    add_cluster_flags(p)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temp", type=float, default=None, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--headless", action="store_true", help="no TUI: a scripted run")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="the user message (headless)")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="read the user message from a file (headless)")
+    p.add_argument("--doc", action="append", default=[], metavar="FILE", help="document for the first turn")
+    p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
+    p.add_argument("--json", action="store_true", help="headless output as JSON lines")
+    p.add_argument("--progress", action="store_true",
+                   help="headless plain output: report prefill progress on stderr")
+    p.add_argument("--resume", nargs="?", const="last", default=None, metavar="ID",
+                   help="reopen a saved conversation (TUI): the last one, or ID from --list (a unique "
+                        "prefix will do)")
+    p.add_argument("--list", action="store_true", help="list the saved conversations, newest first, and exit")
+    p.add_argument("--print-config", action="store_true", help="show the settings and where each came from")
+    p.add_argument("--list-architectures", action="store_true", help="which model families work, and why not")
+    add_cache_flags(p)
+    return p
+
+
+def add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    """The model and the ranks it runs on, as the app and `cpchat plan` take them."""
     p.add_argument("--model", help="mlx-lm model directory, hub id ORG/NAME[@rev], GGUF file, "
                                     "ollama:NAME[:TAG], or smollm2 (fetched once; default: the demo model)")
     p.add_argument("--ranks", type=int, default=None, help="launch N local rank processes (default 2)")
@@ -43,30 +70,63 @@ def app_parser() -> argparse.ArgumentParser:
                    help="GPUs the local ranks run on, one rank per GPU in turn (CUDA): all visible "
                         "(default), none, or a comma list of device indices")
     add_kv_flags(p)
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--temp", type=float, default=None, help="sampling temperature; 0 is greedy")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--headless", action="store_true", help="no TUI: a scripted run")
-    prompt = p.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", help="the user message (headless)")
-    prompt.add_argument("--prompt-file", metavar="FILE", help="read the user message from a file (headless)")
-    p.add_argument("--doc", action="append", default=[], metavar="FILE", help="document for the first turn")
-    p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
-    p.add_argument("--json", action="store_true", help="headless output as JSON lines")
     p.add_argument("--blas", choices=blas.CHOICES,
                    help="BLAS of the local ranks (Linux): auto takes the fastest installed (default)")
     add_threads_flag(p)
-    p.add_argument("--progress", action="store_true",
-                   help="headless plain output: report prefill progress on stderr")
-    p.add_argument("--resume", nargs="?", const="last", default=None, metavar="ID",
-                   help="reopen a saved conversation (TUI): the last one, or ID from --list (a unique "
-                        "prefix will do)")
-    p.add_argument("--list", action="store_true", help="list the saved conversations, newest first, and exit")
-    p.add_argument("--print-config", action="store_true", help="show the settings and where each came from")
-    p.add_argument("--list-architectures", action="store_true", help="which model families work, and why not")
-    add_cache_flags(p)
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cpchat plan",
+        description="What a model and a context need on each rank (weights, K/V, peak memory) and how fast "
+                    "they run, measured by the ranks themselves before anything is sent. Exit 0 when every "
+                    "rank can hold it, 1 when one cannot.")
+    p.add_argument("--context", type=token_count, required=True, metavar="T",
+                   help="prompt tokens: 32768, 32K, 1M (K = 1024)")
+    add_cluster_flags(p)
+    p.add_argument("--max-tokens", type=int, default=None, help="the answer's tokens (default 256)")
     return p
+
+
+def token_count(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20}
+    try:
+        value = float(text[:-1]) * units[text[-1].upper()] if text[-1:].upper() in units else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count (32768, 32K, 1M), got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least one token, got {text!r}")
+    return int(value)
+
+
+def run_plan(argv: list[str]) -> int:
+    """`cpchat plan`: launch or attach the ranks, load the model, and print what the context needs."""
+    from cpchat.client.frontend import Frontend
+    from cpchat.client.plan import make_plan, plan_lines
+    from cpchat.client.settings import resolve_settings
+    from cpchat.errors import BackendError
+
+    args = app_parser().parse_args([])
+    vars(args).update(vars(plan_parser().parse_args(argv)))
+    front = None
+    try:
+        settings = resolve_settings(args)
+        front = Frontend(settings, cluster_options(args), say=lambda line: print(line, file=sys.stderr))
+        front.start(lambda phase, done, total: None)
+        session = front.session_for([])
+        plan = make_plan(session, args.context, settings.max_tokens)
+        for line in plan_lines(plan, settings.model or "the demo model"):
+            print(line)
+        return 1 if plan.refusal else EXIT_OK
+    except BadInput as e:
+        print(f"cpchat plan: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except BackendError as e:
+        print(f"cpchat plan: {e}", file=sys.stderr)
+        return EXIT_BACKEND
+    finally:
+        if front is not None:
+            front.close(generating=False)
 
 
 def rank_parser() -> argparse.ArgumentParser:
@@ -85,6 +145,9 @@ def rank_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-here", type=int, default=1, metavar="K",
                    help="ranks started on this machine together: without --threads, each takes an "
                         "equal share of the cores (default 1: all of them)")
+    p.add_argument("--memory-limit", metavar="SIZE", default=os.environ.get("CPCHAT_MEMORY_LIMIT"),
+                   help="the most this rank may hold, e.g. 12G: prompts that would need more are refused "
+                        "before they start (default $CPCHAT_MEMORY_LIMIT, else what the machine has)")
     add_cache_flags(p)
     return p
 
@@ -206,6 +269,7 @@ def run_rank(argv: list[str]) -> int:
             raise UsageError("--tls-cert and --tls-key go together")
         if args.tls_cert and not args.tls_ca:
             raise UsageError("--tls-cert needs --tls-ca: ranks verify their next neighbour's certificate")
+        memory_limit = memory_size(args.memory_limit)
         serve(
             args.host, args.port, token,
             tls_cert=read_bytes(args.tls_cert, "TLS certificate"),
@@ -213,6 +277,7 @@ def run_rank(argv: list[str]) -> int:
             tls_ca=read_bytes(args.tls_ca, "CA certificate"),
             parent_pid=args.parent_pid,
             cache=None if args.no_cache else prefix_store(args.cache_dir, args.cache_max_gb),
+            memory_limit=memory_limit,
         )
     except (UsageError, BadInput, blas.BlasUnavailable) as e:
         print(f"cpchat rank: {e}", file=sys.stderr)
@@ -221,6 +286,15 @@ def run_rank(argv: list[str]) -> int:
         print(f"cpchat rank: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return EXIT_USAGE
     return EXIT_OK
+
+
+def memory_size(text: str | None) -> int | None:
+    from cpchat.rank.memory import parse_size
+
+    try:
+        return None if text is None else parse_size(text)
+    except ValueError as e:
+        raise UsageError(f"--memory-limit: {e}") from None
 
 
 def print_config(args: argparse.Namespace) -> int:
@@ -251,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         except UsageError as e:
             print(f"cpchat cache: {e}", file=sys.stderr)
             return EXIT_USAGE
+    if argv[:1] == ["plan"]:
+        return run_plan(argv[1:])
     if argv[:1] == ["bench"]:
         from cpchat.bench import main as bench_main
 

@@ -27,6 +27,7 @@ from cpchat.checkpoints import CheckpointError
 from cpchat.client.cluster import TRANSPORTS, Cluster
 from cpchat.client.events import Done, Prefill
 from cpchat.client.launcher import rank_environment
+from cpchat.client.plan import make_plan
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.core.quantized_kv import BITS, FULL_PRECISION, KVFormat
 
@@ -48,6 +49,8 @@ class Row:
     blas: str = ""  # the BLAS that was measured, as the processes report it
     threads: int = 0  # BLAS threads of each process (mlx-lm's one, or each rank), as the library reports
     estimate_s: float | None = None  # the prefill time cpchat predicted from the ranks' calibration
+    peak_estimate_bytes: float | None = None  # `cpchat plan`'s peak per rank, predicted before the runs
+    decode_estimate: float | None = None  # and its decode tokens/s
     combine_share: float | None = None  # of prefill: linear layers' halo exchange and state combine
     sgemm_share: float | None = None  # prefill FLOP/s over the rate the ranks' cores reach in sgemm
     exchange_wait_ms: float | None = None  # a decode step's wait for the other ranks, per attention layer
@@ -177,9 +180,13 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, 
                                                                                  context)
             plane = f" {cluster.transport_label}" if n > 1 and transport != "auto" else ""
             system = f"cpchat N={n}{plane}{_kv_label(kv)}"
+            cluster.reset(0)
+            planner = Session(cluster, tokenizer, raw=True, algorithm=args.algorithm)
+            plan = make_plan(planner, context, args.decode)  # what `cpchat plan` predicts, before the runs
             row = Row(system, n, context, blas=measured_blas, kv_bits=kv.bits,
-                      threads=min(r.blas.threads for r in cluster.ranks),
-                      estimate_s=cluster.prefill_cost.seconds(context, 0, n))
+                      threads=min(r.blas.threads for r in cluster.ranks), estimate_s=plan.ttft_s,
+                      peak_estimate_bytes=max(r.peak_bytes for r in plan.ranks),
+                      decode_estimate=plan.decode_tokens_per_s)
             for _ in range(args.repeats):
                 cluster.reset(0)
                 session = Session(
@@ -293,8 +300,8 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
             "| system | BLAS | threads | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s "
             "| vs mlx-lm | KV MiB/rank | vs kv none | ring MiB | peak MiB/rank | hidden comm | state combine "
             "| of sgemm rate | decode wait ms/layer "
-            "| prefill estimate |",
-            "|---|---|" + "---:|" * 16,
+            "| prefill estimate | peak estimate | decode estimate |",
+            "|---|---|" + "---:|" * 18,
         ]
     for r in rows:
         b = base.get((r.context, r.blas, r.kv_bits))
@@ -311,11 +318,17 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         estimate = ""
         if r.estimate_s and measured_s:  # predicted seconds, and as a multiple of the measured ones
             estimate = f"{r.estimate_s:.2f} s ({r.estimate_s / measured_s:.2f}×)"
+        peak = f"{r.peak_estimate_bytes / MB:.0f} ({r.peak_estimate_bytes / r.peak_bytes_per_rank:.2f}×)" \
+            if r.peak_estimate_bytes and r.peak_bytes_per_rank else ""
+        best_decode = r.best("decode_tokens_per_s")
+        decode = f"{r.decode_estimate:.1f} ({r.decode_estimate / best_decode:.2f}×)" \
+            if r.decode_estimate and best_decode else ""
         lines.append(
             f"| {r.system} | {r.blas} | {r.threads} | {r.context} | {r.best('ttft_ms'):.0f} "
             f"| {r.best('prefill_tokens_per_s'):.0f} | {pre_ratio} | {r.best('decode_tokens_per_s'):.1f} "
             f"| {dec_ratio} | {r.kv_bytes_per_rank / MB:.1f} | {kv_ratio} | {r.ring_bytes / MB:.1f} "
-            f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} | {combine} | {sgemm} | {wait} | {estimate} |"
+            f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} | {combine} | {sgemm} | {wait} | {estimate} "
+            f"| {peak} | {decode} |"
         )
     if transport:
         lines += ["", *transport_table(transport, args.repeats)]

@@ -30,6 +30,7 @@ from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks, r
 from cpchat.client.prefixes import PrefixChoice, PrefixGone, PrefixLoaded, SavedPrefix
 from cpchat.core.algorithms import BY_NAME
 from cpchat.core.estimate import PrefillCost
+from cpchat.core.memory import ForwardMemory
 from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
 from cpchat.errors import BackendError, BadInput
 from cpchat.protocol import cpchat_pb2 as pb
@@ -66,6 +67,7 @@ class ServedModel:
     value_dim: int = 0
     state_layers: int = 0  # of num_layers, those with a recurrent state instead of K/V
     kv_format: KVFormat = FULL_PRECISION  # how the ranks keep K/V (--kv-bits)
+    weight_bytes: int = 0  # on each rank
 
     @property
     def attention_layers(self) -> int:
@@ -194,6 +196,7 @@ class Cluster:
         self.link_latency_s: list[list[float]] = []  # [from rank][to rank], one way
         self.exchange_latency_s = 0.0
         self.prefill_cost: PrefillCost | None = None
+        self.forward_memory: list[ForwardMemory] = []  # per rank, with the loaded model
         self.ring_id = ""
         self.link_transports: list[list[str]] = []  # [from rank][to rank]: "shm" | "grpc" | "" (itself)
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(addresses)))
@@ -392,7 +395,8 @@ class Cluster:
         p = self._each(load_one)[0]
         self.model = ServedModel(model, p.model_type, p.num_layers, p.num_q_heads, p.num_kv_heads,
                                p.vocab_size, p.bytes_per_element, p.max_context, p.head_dim, p.value_dim,
-                               p.state_layers, KVFormat(p.kv_bits, p.kv_group_size, kv_format.start))
+                               p.state_layers, KVFormat(p.kv_bits, p.kv_group_size, kv_format.start),
+                               p.weight_bytes)
         self.calibrate()
         return self.model
 
@@ -409,6 +413,14 @@ class Cluster:
         self.prefill_cost = PrefillCost(max(c.prefill_fixed_s for c in results),
                                         max(c.prefill_per_token_s for c in results),
                                         max(c.prefill_per_pair_s for c in results))
+        self.forward_memory = [ForwardMemory(c.forward_fixed_bytes, c.forward_per_token_bytes)
+                               for c in results]
+
+    def free_memory(self) -> list[int]:
+        """The bytes each rank may still allocate, as it reports them now."""
+        replies = self._each(lambda r: r.control.Health(pb.HealthRequest(), timeout=HEALTH_DEADLINE_S,
+                                                        metadata=self.metadata))
+        return [reply.memory_free_bytes for reply in replies]
 
     @property
     def hop_latency_s(self) -> float:

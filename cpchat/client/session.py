@@ -23,6 +23,7 @@ from cpchat.client.events import (
     Token,
 )
 from cpchat.client.generation import GenerationDone, GenerationRequest, LayerDone, PrefillDone, TokenOut
+from cpchat.client.memory import MemoryShortfall, shortfall
 from cpchat.client.prefixes import MIN_GAIN, PrefixChoice, PrefixGone, choose_prefix
 from cpchat.core.heuristics import Measured, Workload, choose_algorithm, choose_decode
 from cpchat.errors import BadInput
@@ -191,6 +192,21 @@ class Session:
             return None
         return cost.seconds(len(tokens) - keep, keep, self.cluster.size)
 
+    def memory_shortfall(self, new_tokens: int, cached_tokens: int, algorithm: str, answer_tokens: int
+                         ) -> MemoryShortfall | None:
+        """Why some rank cannot hold this prefill and its answer, from what the ranks report free now;
+        None when all can. Blocks on the ranks: not for the event loop."""
+        c = self.cluster
+        return shortfall(self.workload(new_tokens, cached_tokens), algorithm, c.forward_memory,
+                         c.free_memory(), answer_tokens, [r.label for r in c.ranks])
+
+    def turn_shortfall(self, turn: Turn) -> MemoryShortfall | None:
+        """The memory check `run` makes, for a turn before it is sent (the TUI asks first)."""
+        keep = self._kept(turn.tokens)
+        new = len(turn.tokens) - keep
+        return self.memory_shortfall(new, keep, self.choose_algorithm(new, keep).algorithm,
+                                     self.sampling.max_tokens)
+
     def choose_algorithm(self, new_tokens: int, cached_tokens: int) -> AlgorithmChoice:
         """The session's algorithm, or under auto the one the cost model expects to be fastest."""
         c = self.cluster
@@ -323,12 +339,15 @@ class Session:
         self.saved = min(self.saved, keep)  # a rewritten conversation no longer begins like its save
         new = full[keep:]
         choice = self.choose_algorithm(len(new), keep)
+        answer_tokens = self.sampling.max_tokens if max_tokens is None else max_tokens
+        if refused := self.memory_shortfall(len(new), keep, choice.algorithm, answer_tokens):
+            raise refused
         self.last_choice = choice
         seed = self.sampling.seed if self.sampling.seed is not None else random.getrandbits(32)
         linear = self.cluster.model.state_layers  # their states cannot be cut back: keep one at documents_end
         request = GenerationRequest(
             tokens=new, keep_tokens=keep,
-            max_tokens=self.sampling.max_tokens if max_tokens is None else max_tokens,
+            max_tokens=answer_tokens,
             algorithm=choice.algorithm, decode=self.decode_exchange(len(full)),
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed,
             stop_tokens=sorted(self.tokenizer.eos_token_ids),

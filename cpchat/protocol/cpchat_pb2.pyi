@@ -91,7 +91,7 @@ class LoadModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., quantized_kv_start: _Optional[int] = ...) -> None: ...
 
 class LoadProgress(_message.Message):
-    __slots__ = ("stage", "model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "bytes_per_element", "max_context", "value_dim", "state_layers", "kv_bits", "kv_group_size")
+    __slots__ = ("stage", "model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "bytes_per_element", "max_context", "value_dim", "state_layers", "kv_bits", "kv_group_size", "weight_bytes")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class LoadProgress(_message.Message):
     STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     KV_BITS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model_type: str
     num_layers: int
@@ -118,7 +119,8 @@ class LoadProgress(_message.Message):
     state_layers: int
     kv_bits: int
     kv_group_size: int
-    def __init__(self, stage: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bytes_per_element: _Optional[int] = ..., max_context: _Optional[int] = ..., value_dim: _Optional[int] = ..., state_layers: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
+    weight_bytes: int
+    def __init__(self, stage: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bytes_per_element: _Optional[int] = ..., max_context: _Optional[int] = ..., value_dim: _Optional[int] = ..., state_layers: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
     __slots__ = ("probe_bytes", "rounds")
@@ -129,7 +131,7 @@ class CalibrateRequest(_message.Message):
     def __init__(self, probe_bytes: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class CalibrateReply(_message.Message):
-    __slots__ = ("flops_per_s", "ring_bytes_per_s", "prefill_fixed_s", "prefill_per_token_s", "prefill_per_pair_s", "link_latency_s", "exchange_latency_s")
+    __slots__ = ("flops_per_s", "ring_bytes_per_s", "prefill_fixed_s", "prefill_per_token_s", "prefill_per_pair_s", "link_latency_s", "exchange_latency_s", "forward_fixed_bytes", "forward_per_token_bytes")
     FLOPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     RING_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIXED_S_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +139,8 @@ class CalibrateReply(_message.Message):
     PREFILL_PER_PAIR_S_FIELD_NUMBER: _ClassVar[int]
     LINK_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_FIXED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_PER_TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     flops_per_s: float
     ring_bytes_per_s: float
     prefill_fixed_s: float
@@ -144,7 +148,9 @@ class CalibrateReply(_message.Message):
     prefill_per_pair_s: float
     link_latency_s: _containers.RepeatedScalarFieldContainer[float]
     exchange_latency_s: float
-    def __init__(self, flops_per_s: _Optional[float] = ..., ring_bytes_per_s: _Optional[float] = ..., prefill_fixed_s: _Optional[float] = ..., prefill_per_token_s: _Optional[float] = ..., prefill_per_pair_s: _Optional[float] = ..., link_latency_s: _Optional[_Iterable[float]] = ..., exchange_latency_s: _Optional[float] = ...) -> None: ...
+    forward_fixed_bytes: float
+    forward_per_token_bytes: float
+    def __init__(self, flops_per_s: _Optional[float] = ..., ring_bytes_per_s: _Optional[float] = ..., prefill_fixed_s: _Optional[float] = ..., prefill_per_token_s: _Optional[float] = ..., prefill_per_pair_s: _Optional[float] = ..., link_latency_s: _Optional[_Iterable[float]] = ..., exchange_latency_s: _Optional[float] = ..., forward_fixed_bytes: _Optional[float] = ..., forward_per_token_bytes: _Optional[float] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "seed")
@@ -367,7 +373,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "rank", "pid", "blas", "shm_endpoint", "cpu_cores", "computes_on_cpu", "data_plane_backends", "data_plane_port")
+    __slots__ = ("state", "rank", "pid", "blas", "shm_endpoint", "cpu_cores", "computes_on_cpu", "data_plane_backends", "data_plane_port", "memory_free_bytes")
     STATE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +383,7 @@ class HealthReply(_message.Message):
     COMPUTES_ON_CPU_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_PORT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     state: str
     rank: int
     pid: int
@@ -386,7 +393,8 @@ class HealthReply(_message.Message):
     computes_on_cpu: bool
     data_plane_backends: _containers.RepeatedScalarFieldContainer[str]
     data_plane_port: int
-    def __init__(self, state: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., blas: _Optional[_Union[Blas, _Mapping]] = ..., shm_endpoint: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., computes_on_cpu: _Optional[bool] = ..., data_plane_backends: _Optional[_Iterable[str]] = ..., data_plane_port: _Optional[int] = ...) -> None: ...
+    memory_free_bytes: int
+    def __init__(self, state: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., blas: _Optional[_Union[Blas, _Mapping]] = ..., shm_endpoint: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., computes_on_cpu: _Optional[bool] = ..., data_plane_backends: _Optional[_Iterable[str]] = ..., data_plane_port: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ...) -> None: ...
 
 class Blas(_message.Message):
     __slots__ = ("name", "version", "library", "fix", "threads")

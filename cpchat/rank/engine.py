@@ -19,12 +19,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from cpchat import blas
 from cpchat.checkpoints.resolve import is_checkpoint, model_dir
 from cpchat.core.algorithms import BY_NAME
 from cpchat.core.attention import partial_attention
 from cpchat.core.estimate import PrefillCost, line_through
+from cpchat.core.memory import ForwardMemory
 from cpchat.core.quantized_kv import BITS, FULL_PRECISION, GROUP_SIZES, KVFormat, quantized_from
 from cpchat.core.sharding import head_tail_layout, owner_of, owners
 from cpchat.protocol import cpchat_pb2 as pb
@@ -194,22 +196,29 @@ def _probe_forward(model, vocab_size: int, chunk: int = 3) -> fit.ProbeResult:
     return fit.ProbeResult(slots, ring_pass.calls, kv, ring_pass.recurrences, ring_pass.states)
 
 
-def measure_prefill(model, info: ModelShape) -> PrefillCost:
+def measure_prefill(model, info: ModelShape) -> tuple[PrefillCost, ForwardMemory]:
     """Time this model here: a forward of a few tokens and one long enough to take about 0.3 s more
     (up to 1024 tokens) for the weights' work, and attention of 1024 queries over 2048 keys (all
     visible: a prefill's tiles are that large) for each query-key pair's. The short forward has
     MIN_ROWS tokens a row, so both run the products a prefill runs (below that, a low-precision
-    model's run MLX's native kernels, many times slower a token)."""
+    model's run MLX's native kernels, many times slower a token). The same two forwards' peak memory
+    gives what a forward of T tokens allocates."""
+    peaks: dict[int, int] = {}
 
     def forward_s(tokens: int) -> float:
+        held = mx.get_active_memory()
+        mx.reset_peak_memory()
         start = time.perf_counter()
         _probe_forward(model, info.vocab_size, tokens // 2)
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        peaks[tokens] = mx.get_peak_memory() - held
+        return seconds
 
     few = 2 * MIN_ROWS
     short = min(forward_s(few), forward_s(few))
     tokens = int(min(max(few * 0.3 / max(short, 1e-6), 4 * few), 1024)) // 2 * 2
     fixed, per_token = line_through(few, short, tokens, forward_s(tokens))
+    memory = ForwardMemory(*line_through(few, peaks[few], tokens, peaks[tokens]))
     layer, queries, keys = info.first_attention, 1024, 2048
     q = mx.random.normal((1, layer.query_heads, queries, layer.key_dim))
     k = mx.random.normal((1, layer.key_heads, keys, layer.key_dim))
@@ -222,7 +231,7 @@ def measure_prefill(model, info: ModelShape) -> PrefillCost:
         return time.perf_counter() - start
 
     per_pair = min(attention_s(), attention_s()) / (queries * keys) * (info.num_layers - len(info.linear))
-    return PrefillCost(fixed, per_token, per_pair)
+    return PrefillCost(fixed, per_token, per_pair), memory
 
 
 def _run_model(model, ring_pass: RingPass, ids: mx.array, row: int, evaluate: bool = True) -> mx.array:
@@ -272,6 +281,8 @@ class Engine:
         self.last_algorithm = ""
         self.layer_calls: dict[int, LayerCall] = {}
         self.prefill_cost = PrefillCost(0, 0, 0)  # of the loaded model, measured once when it loads
+        self.forward_memory = ForwardMemory(0, 0)  # likewise
+        self.weight_bytes = 0
         self.keep_floor = 0
         # The prefix cache (None: --no-cache): what the ring holds is described by its token ids and
         # layout; `origin` is the saved prefix it continues, superseded by the next save.
@@ -288,7 +299,8 @@ class Engine:
     def load(self, path: str, kv_format: KVFormat = FULL_PRECISION) -> ModelShape:
         self.model, self.info = load_model(path, kv_format)
         self.model_name = path
-        self.prefill_cost = measure_prefill(self.model, self.info)
+        self.prefill_cost, self.forward_memory = measure_prefill(self.model, self.info)
+        self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self.kv = KVShard(self.info.num_layers, self.info.linear, kv_format)
         self.states = StateStore()
         self.total_tokens = 0

@@ -32,6 +32,7 @@ from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 from cpchat.protocol.channel import SERVER_KEEPALIVE, TokenCheck, open_channel, token_metadata
 from cpchat.rank.calibration import MAX_PROBE_BYTES, PROBE_BYTES, Calibration, calibrate
 from cpchat.rank.engine import BadRequest, Engine, KVFormatRefused, UnsupportedModel
+from cpchat.rank.memory import free_bytes
 from cpchat.rank.prefix_cache import CacheMiss, PrefixStore
 from cpchat.rank.transport.data_plane import (
     DataPlane,
@@ -128,9 +129,11 @@ def status_of(e: BadRequest) -> grpc.StatusCode:
 class RankState:
     """Everything a rank knows: its place in the ring, its engine, what runs."""
 
-    def __init__(self, token: str | None = None, tls_ca: bytes | None = None) -> None:
+    def __init__(self, token: str | None = None, tls_ca: bytes | None = None,
+                 memory_limit: int | None = None) -> None:
         self.token = token
         self.tls_ca = tls_ca
+        self.memory_limit = memory_limit  # bytes this process may hold in all (--memory-limit)
         self.engine = Engine()
         self.rank = 0
         self.addresses: list[str] = []
@@ -373,7 +376,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             vocab_size=info.vocab_size, bytes_per_element=info.bytes_per_element,
             max_context=info.max_context, value_dim=info.first_attention.value_dim,
             state_layers=len(info.linear), kv_bits=info.kv_format.bits,
-            kv_group_size=info.kv_format.group_size,
+            kv_group_size=info.kv_format.group_size, weight_bytes=self.s.engine.weight_bytes,
         )
 
     def Calibrate(self, request, context):
@@ -389,7 +392,9 @@ class ControlServicer(pb_grpc.ControlServicer):
         return pb.CalibrateReply(flops_per_s=c.flops_per_s, ring_bytes_per_s=min(c.ring_bytes_per_s, 1e15),
                                  prefill_fixed_s=c.prefill.fixed_s, prefill_per_token_s=c.prefill.per_token_s,
                                  prefill_per_pair_s=c.prefill.per_pair_s, link_latency_s=c.link_latency_s,
-                                 exchange_latency_s=c.exchange_latency_s)
+                                 exchange_latency_s=c.exchange_latency_s,
+                                 forward_fixed_bytes=self.s.engine.forward_memory.fixed_bytes,
+                                 forward_per_token_bytes=self.s.engine.forward_memory.per_token_bytes)
 
     def _calibrate(self, probe_bytes: int, rounds: int) -> Calibration:
         """On the MLX thread, one calibration at a time: probe ids count up per ring, alike on every rank."""
@@ -497,7 +502,8 @@ class ControlServicer(pb_grpc.ControlServicer):
                               cpu_cores=len(os.sched_getaffinity(0)),
                               computes_on_cpu=self.s.computes_on_cpu,
                               data_plane_backends=available_backends(),
-                              data_plane_port=self.s.data_plane_port)
+                              data_plane_port=self.s.data_plane_port,
+                              memory_free_bytes=free_bytes(self.s.memory_limit))
 
     def Heartbeat(self, request, context):
         interval = min(max(request.interval_s, 0.05), 5.0)
@@ -577,12 +583,14 @@ def serve(
     tls_ca: bytes | None = None,
     parent_pid: int | None = None,
     cache: PrefixStore | None = None,
+    memory_limit: int | None = None,
 ) -> None:
     """Run a rank until Shutdown, SIGTERM, or the death of its parent. `cache`: where it saves prefixes
-    (None: it never touches the disk for them)."""
+    (None: it never touches the disk for them); `memory_limit`: bytes it may hold in all (None: what
+    its device has)."""
     faulthandler.enable()  # a crash in native code leaves every thread's stack in the rank's log
     stop = threading.Event()
-    state = RankState(token, tls_ca)
+    state = RankState(token, tls_ca, memory_limit)
     state.engine.cache = cache
     state.shm = SharedMemoryListener(token, state.receive, state.link_closed)
     state.data_plane_port = free_port(host)

@@ -35,7 +35,7 @@ from cpchat.tui.commands import run_slash
 from cpchat.tui.export import export_transcript
 from cpchat.tui.jobs import BackendJobs
 from cpchat.tui.prefs import load_panels, save_panels
-from cpchat.tui.screens import ContextBudget, ConversationsScreen, ModelPrompt
+from cpchat.tui.screens import ContextBudget, ConversationsScreen, MemoryBudget, ModelPrompt
 from cpchat.tui.widgets import (
     Answer,
     AttachmentBar,
@@ -282,12 +282,12 @@ class ChatScreen(Screen):
         self.jobs.prepare(typed, text, documents)
 
     async def on_turn_prepared(self, message: m.TurnPrepared) -> None:
-        """Send the prompt, or past the model's context ask first."""
+        """Send the prompt; past the model's context ask first, past some rank's memory say why not."""
         self._preparing = False
         turn, session = message.turn, self.backend.session
         if turn is None or session is None:
             return
-        if session.fits(turn):
+        if session.fits(turn) and message.shortfall is None:
             await self._send(message, past_context=False)
             return
         chips = self.attachments.chips()
@@ -300,7 +300,10 @@ class ChatScreen(Screen):
                 self.post_message(ChatInput.Submitted(message.typed))
 
         attachments = [(c.document.name, c.tokens) for c in chips]
-        self.app.push_screen(ContextBudget(len(turn.tokens), session.context_limit, attachments), decided)
+        if message.shortfall is not None:
+            self.app.push_screen(MemoryBudget(message.shortfall, attachments), decided)
+        else:
+            self.app.push_screen(ContextBudget(len(turn.tokens), session.context_limit, attachments), decided)
 
     async def _send(self, message: m.TurnPrepared, past_context: bool) -> None:
         turn = message.turn

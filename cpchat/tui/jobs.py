@@ -141,7 +141,8 @@ class BackendJobs:
             self.post(Notice(str(e), "error"))
             self.post(TurnPrepared(typed, None))
             return
-        self.post(TurnPrepared(typed, turn, session.prefill_estimate_s(turn)))
+        shortfall = session.turn_shortfall(turn) if session.fits(turn) else None
+        self.post(TurnPrepared(typed, turn, session.prefill_estimate_s(turn), shortfall))
 
     def generate(self, turn: Turn, entry: Entry, past_context: bool, store: TranscriptStore) -> None:
         """Run a turn; every event becomes a message. Tokens are saved before they are shown."""

@@ -13,6 +13,7 @@ from textual.message import Message
 
 from cpchat.client.cluster import ServedModel
 from cpchat.client.events import AlgorithmChoice, Done, Prefill, RankStats
+from cpchat.client.memory import MemoryShortfall
 from cpchat.client.session import Turn
 
 
@@ -91,11 +92,13 @@ class DocumentRead(Message):
 
 class TurnPrepared(Message):
     """A prompt was read into tokens (`turn`, None when it could not be) and is ready to send or to
-    be weighed against the model's context; `expected_s` is the prefill's estimate."""
+    be weighed against the model's context; `expected_s` is the prefill's estimate, `shortfall` why
+    some rank could not hold it (None: every rank can)."""
 
-    def __init__(self, typed: str, turn: Turn | None, expected_s: float | None = None) -> None:
+    def __init__(self, typed: str, turn: Turn | None, expected_s: float | None = None,
+                 shortfall: MemoryShortfall | None = None) -> None:
         super().__init__()
-        self.typed, self.turn, self.expected_s = typed, turn, expected_s
+        self.typed, self.turn, self.expected_s, self.shortfall = typed, turn, expected_s, shortfall
 
 
 class Notice(Message):

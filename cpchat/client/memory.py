@@ -1,0 +1,59 @@
+"""The check before every prefill: can each rank hold what the prefill will allocate on it?
+The need comes from cpchat.core.memory and the ranks' own measurements, the free memory from each
+rank's Health report, asked just before the prefill is sent."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from cpchat.core.heuristics import Workload
+from cpchat.core.memory import ForwardMemory, Need, kv_bytes_per_token, prefill_needs
+from cpchat.core.quantized_kv import KVFormat
+from cpchat.errors import BadInput
+from cpchat.format import human_bytes
+
+MAX_RANKS_SUGGESTED = 64
+
+
+class MemoryShortfall(BadInput):
+    """Some rank cannot hold the prefill: refused before any rank allocates."""
+
+    def __init__(self, need: Need, label: str, suggestions: list[str]) -> None:
+        self.need, self.label, self.suggestions = need, label, suggestions
+        hint = ": " + "; ".join(suggestions) if suggestions else ""
+        super().__init__(f"{label} needs {human_bytes(need.total)} for this prompt but has "
+                         f"{human_bytes(need.free_bytes)} free{hint}")
+
+
+def shortfall(w: Workload, algorithm: str, forward: list[ForwardMemory], free: list[int], answer_tokens: int,
+              labels: list[str]) -> MemoryShortfall | None:
+    """The first rank that cannot hold this prefill, with what would fit; None if every rank can."""
+    needs = prefill_needs(w, algorithm, forward, free, answer_tokens)
+    short = next((n for n in needs if not n.fits), None)
+    if short is None:
+        return None
+
+    def fits(workload: Workload, freed: float = 0.0) -> bool:
+        n = workload.ranks  # more ranks like the one that is short
+        needs = prefill_needs(workload, algorithm, [forward[short.rank]] * n, [free[short.rank] + freed] * n,
+                              answer_tokens)
+        return all(x.fits for x in needs)
+
+    suggestions = []
+    ranks = next((n for n in range(w.ranks + 1, MAX_RANKS_SUGGESTED + 1) if fits(replace(w, ranks=n))), None)
+    if ranks:
+        suggestions.append(f"{ranks} ranks like it would hold it")
+    if not w.kv_format.quantized and w.cached_tokens:  # the K/V held now would shrink
+        quantized = replace(w, kv_format=KVFormat(4, 64, 0))
+        freed = w.cached_tokens / w.ranks * (kv_bytes_per_token(w) - kv_bytes_per_token(quantized))
+        if fits(quantized, freed):
+            suggestions.append("--kv-bits 4 would hold it")
+    low, high = 0, w.new_tokens  # the longest prompt that fits now, by bisection
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if all(x.fits for x in prefill_needs(replace(w, new_tokens=mid), algorithm,
+                                                                      forward, free, answer_tokens)) \
+            else (low, mid - 1)
+    if low:
+        suggestions.append(f"a prompt of up to {low:,} new tokens fits")
+    return MemoryShortfall(short, labels[short.rank], suggestions)

@@ -1,0 +1,88 @@
+"""`cpchat plan`: what a model and a context will need on each rank, and how fast they will run, before
+any prompt is sent: from the ranks' own measurements when they loaded the model (the prefill's cost
+and a forward's memory, cpchat.core.estimate and cpchat.core.memory) and what they report now (the
+memory they hold and have free).
+
+Per rank: the weights; the context's K/V; the peak, which is what the rank holds now (its weights and
+runtime) plus the prefill's need (activations, its new K/V, attention tiles, the ring's blocks), or the
+peak it already reached loading the model, whichever is more. TTFT is the prefill estimate. A decode
+step is estimated as a forward of one token (the measured line's fixed cost and one token's share)
+plus attention over the rank's keys and the exchange of partials."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cpchat.client.memory import shortfall
+from cpchat.client.session import Session
+from cpchat.core.heuristics import decode_estimates
+from cpchat.core.memory import kv_bytes_per_token, prefill_needs
+from cpchat.format import human_bytes, human_duration
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    label: str
+    weight_bytes: int
+    kv_bytes: float
+    peak_bytes: float
+    need_bytes: float  # what the prefill allocates beyond what the rank holds now
+    free_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.need_bytes <= self.free_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    context: int
+    algorithm: str
+    ranks: list[RankPlan]
+    ttft_s: float | None
+    decode_tokens_per_s: float | None
+    refusal: str  # the memory check's line where some rank cannot hold the context, else ""
+    max_context: int = 0  # the model's (0: unknown)
+
+
+def make_plan(session: Session, context: int, answer_tokens: int) -> Plan:
+    """The plan for a prompt of `context` tokens (and an answer of `answer_tokens`) on the session's ranks."""
+    cluster = session.cluster
+    w = session.workload(context, 0)
+    algorithm = session.choose_algorithm(context, 0).algorithm
+    free = cluster.free_memory()
+    needs = prefill_needs(w, algorithm, cluster.forward_memory, free, answer_tokens)
+    stats = cluster.stats_once()
+    kv = (context + answer_tokens) / cluster.size * kv_bytes_per_token(w)
+    ranks = [RankPlan(r.label, cluster.model.weight_bytes, kv, max(s.peak_rss_bytes, s.rss_bytes + n.total),
+                      n.total, n.free_bytes)
+             for r, s, n in zip(cluster.ranks, stats, needs, strict=True)]
+    cost = cluster.prefill_cost
+    ttft = decode = None
+    if cost is not None and cost.per_token_s:
+        ttft = cost.seconds(context, 0, cluster.size)
+        step = cost.fixed_s + cost.per_token_s + cost.per_pair_s * context / cluster.size
+        exchange = decode_estimates(session.workload(1, context), session.measured())
+        step += exchange[session.decode_exchange(context)]
+        decode = 1 / step
+    labels = [r.label for r in cluster.ranks]
+    refused = shortfall(w, algorithm, cluster.forward_memory, free, answer_tokens, labels)
+    return Plan(context, algorithm, ranks, ttft, decode, str(refused) if refused else "",
+                cluster.model.max_context)
+
+
+def plan_lines(plan: Plan, model: str) -> list[str]:
+    """The plan as `cpchat plan` prints it: a line per rank ("rank 0 ..."), then the times and the verdict."""
+    lines = [f"{model}: {plan.context:,} tokens on {len(plan.ranks)} rank{'s' * (len(plan.ranks) > 1)} "
+             f"({plan.algorithm})"]
+    for r in plan.ranks:
+        lines.append(f"{r.label}: weights {human_bytes(r.weight_bytes)}, K/V {human_bytes(r.kv_bytes)}, "
+                     f"peak {human_bytes(r.peak_bytes)}; the prefill needs {human_bytes(r.need_bytes)} of "
+                     f"{human_bytes(r.free_bytes)} free: {'fits' if r.fits else 'does not fit'}")
+    if plan.ttft_s is not None and plan.decode_tokens_per_s is not None:
+        lines.append(f"time to first token about {human_duration(plan.ttft_s)}; decode about "
+                     f"{plan.decode_tokens_per_s:.1f} tokens/s")
+    if plan.max_context and plan.context + 1 > plan.max_context:
+        lines.append(f"past the model's {plan.max_context:,}-token context: answers get unreliable there")
+    lines.append(f"does not fit: {plan.refusal}" if plan.refusal else "fits on every rank")
+    return lines

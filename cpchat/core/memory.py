@@ -1,0 +1,100 @@
+"""What a prefill needs in memory on each rank, known before it runs.
+
+A rank that runs a prefill of T new tokens over N ranks holds T_r = padded(T)/N of them. Its
+forward allocates, beyond what the rank held before, the activations of its block and the new
+tokens' keys and values: F(T_r) = fixed + per_token · T_r, a line the rank measures when the model
+loads (`ForwardMemory`: MLX's peak over two forwards). On top of that:
+
+    tiles   attention's score blocks, 3 · 4 · Hkv · (G tq) · min(k_tile, keys) bytes (numpy's, on a CPU:
+            MLX does not count them), G = Hq/Hkv, tq = min(TILE, T_r), k_tile as in cpchat.core.attention
+    ring    the blocks one layer has in flight on the rank (k = K/V bytes per token and layer):
+              pass-KV     3 T_r k                 the block in use, the next one, the one sent
+              all-gather  N T_r k                 every rank's block of the layer
+              pass-Q      3 T_r Hq (D + Dv + 1) 4 queries and running outputs, in and out
+              Ulysses     2 T Hq (D + 2 Dv)/N 4   the rank's heads of every token, in and out
+    answer  the K/V of the answer's tokens the rank keeps: max_tokens/N · k · L
+
+The need is their sum; a rank fits when the need is at most the memory it reports free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cpchat.core.attention import TILE
+from cpchat.core.heuristics import Workload
+from cpchat.core.sharding import padded_length
+
+
+@dataclass(frozen=True)
+class ForwardMemory:
+    """Bytes a forward of T tokens allocates on a rank beyond what it held before, as measured."""
+
+    fixed_bytes: float
+    per_token_bytes: float
+
+    def bytes(self, tokens: int) -> float:
+        return self.fixed_bytes + self.per_token_bytes * tokens
+
+
+@dataclass(frozen=True)
+class Need:
+    """One rank's memory for one prefill, against what it has free."""
+
+    rank: int
+    forward_bytes: float  # activations and the new tokens' K/V (measured line)
+    tiles_bytes: float
+    ring_bytes: float
+    answer_bytes: float
+    free_bytes: int
+
+    @property
+    def total(self) -> float:
+        return self.forward_bytes + self.tiles_bytes + self.ring_bytes + self.answer_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.free_bytes
+
+
+def tokens_per_rank(new_tokens: int, ranks: int) -> int:
+    """The tokens each rank's prefill forward runs (head-tail sharding pads to 2N chunks)."""
+    return padded_length(new_tokens, ranks) // ranks
+
+
+def kv_bytes_per_token(w: Workload, layers: int = 0) -> float:
+    """Keys and values of one token, in `layers` attention layers (all of them if 0), as held."""
+    element = w.kv_format.bytes_per_element(w.bytes_per_element) if w.kv_format.quantized \
+        else w.bytes_per_element
+    return (layers or w.layers) * w.kv_heads * (w.head_dim + w.value_dim) * element
+
+
+def tile_bytes(w: Workload, tokens: int) -> float:
+    groups = w.q_heads // w.kv_heads
+    tq = min(TILE, tokens)
+    k_tile = max(TILE, TILE * TILE // (groups * tq))
+    keys = w.cached_tokens + w.new_tokens
+    return 3 * 4 * w.kv_heads * groups * tq * min(k_tile, keys)
+
+
+def ring_bytes(w: Workload, algorithm: str, tokens: int) -> float:
+    n = w.ranks
+    if n == 1:
+        return 0.0
+    layer_kv = kv_bytes_per_token(w, layers=1)
+    return {
+        "pass_kv": 3 * tokens * layer_kv,
+        "all_gather": n * tokens * layer_kv,
+        "pass_q": 3 * tokens * w.q_heads * (w.head_dim + w.value_dim + 1) * 4,
+        "ulysses": 2 * w.new_tokens * w.q_heads * (w.head_dim + 2 * w.value_dim) / n * 4,
+    }.get(algorithm, 0.0)
+
+
+def prefill_needs(w: Workload, algorithm: str, forward: list[ForwardMemory], free: list[int],
+                  answer_tokens: int = 0) -> list[Need]:
+    """Each rank's need for this prefill (and its answer's K/V), beside what it reports free."""
+    tokens = tokens_per_rank(w.new_tokens, w.ranks)
+    answer = math.ceil(answer_tokens / w.ranks) * kv_bytes_per_token(w)
+    return [Need(r, f.bytes(tokens), tile_bytes(w, tokens), ring_bytes(w, algorithm, tokens), answer, free_r)
+            for r, (f, free_r) in enumerate(zip(forward, free, strict=True))]

@@ -1,0 +1,190 @@
+"""The memory check before every prefill: ranks report what they may still allocate (under their own
+--memory-limit) and what a forward costs them; the front end refuses a prompt some rank cannot hold,
+naming the rank, the need and the free memory, before any rank allocates."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from helpers import next_turn, raw_session
+from rankprocs import start_ranks, stop_all
+from test_tui import RANKS, SIZE, chips, paste, ready, until
+
+from cpchat.client.cluster import Cluster
+from cpchat.client.memory import MemoryShortfall, shortfall
+from cpchat.client.plan import make_plan, plan_lines
+from cpchat.client.settings import Settings
+from cpchat.core.heuristics import Workload
+from cpchat.core.memory import ForwardMemory, prefill_needs, tokens_per_rank
+from cpchat.core.quantized_kv import KVFormat
+from cpchat.tui.app import CpchatApp
+from cpchat.tui.screens import MemoryBudget
+from cpchat.tui.widgets import ChatInput
+
+LIMIT = 400 << 20
+WORKLOAD = Workload(new_tokens=10_000, cached_tokens=0, ranks=2, q_heads=8, kv_heads=2, head_dim=64,
+                    value_dim=64, bytes_per_element=4, layers=4)
+FORWARD = [ForwardMemory(1e6, 20_000)] * 2
+
+
+def test_the_need_grows_with_the_prompt_and_falls_with_more_ranks():
+    def total(w: Workload, algorithm: str = "pass_kv") -> float:
+        return prefill_needs(w, algorithm, [FORWARD[0]] * w.ranks, [0] * w.ranks)[0].total
+
+    assert total(replace(WORKLOAD, new_tokens=20_000)) > total(WORKLOAD)
+    assert total(replace(WORKLOAD, ranks=4)) < total(WORKLOAD)
+    # all-gather holds every rank's block of a layer at once, pass-KV three
+    assert total(replace(WORKLOAD, ranks=8), "all_gather") > total(replace(WORKLOAD, ranks=8), "pass_kv")
+    assert tokens_per_rank(10_001, 2) == 5_002  # padded to 2N chunks
+    need = prefill_needs(WORKLOAD, "pass_kv", FORWARD, [0, 0], answer_tokens=1000)[0]
+    assert need.forward_bytes == 1e6 + 20_000 * 5_000
+    assert need.answer_bytes == 500 * 4 * 2 * (64 + 64) * 4  # 500 tokens each, K and V of 2 heads, 4 layers
+
+
+def test_a_shortfall_says_what_would_fit():
+    free = int(prefill_needs(WORKLOAD, "pass_kv", FORWARD, [0, 0])[0].total * 0.6)
+    refused = shortfall(WORKLOAD, "pass_kv", FORWARD, [free, 10 * free], 16, ["rank 0 (a:1)", "rank 1 (b:1)"])
+    assert refused is not None and refused.need.rank == 0
+    assert str(refused).startswith("rank 0 (a:1) needs ")
+    ranks = int(re.search(r"(\d+) ranks like it", str(refused))[1])
+    longest = int(re.search(r"up to ([\d,]+) new tokens", str(refused))[1].replace(",", ""))
+
+    def fits(w: Workload) -> bool:
+        return shortfall(w, "pass_kv", [FORWARD[0]] * w.ranks, [free] * w.ranks, 16, ["r"] * w.ranks) is None
+
+    assert fits(replace(WORKLOAD, ranks=ranks)) and not fits(replace(WORKLOAD, ranks=ranks - 1))
+    assert fits(replace(WORKLOAD, new_tokens=longest)) and not fits(replace(WORKLOAD, new_tokens=longest + 1))
+    assert shortfall(WORKLOAD, "pass_kv", FORWARD, [10 * free] * 2, 16, ["r", "r"]) is None
+    # K/V held in full precision would shrink with --kv-bits: suggested where that frees enough
+    held = replace(WORKLOAD, cached_tokens=200_000)
+    need = prefill_needs(held, "pass_kv", FORWARD, [0, 0], 16)[0].total
+    assert "--kv-bits 4" in str(shortfall(held, "pass_kv", FORWARD, [int(need * 0.9)] * 2, 16, ["r", "r"]))
+    assert "--kv-bits" not in str(shortfall(replace(held, kv_format=KVFormat(4)), "pass_kv", FORWARD,
+                                           [int(need * 0.1)] * 2, 16, ["r", "r"]))
+
+
+@pytest.fixture(scope="module")
+def limited(model_dir, tmp_path_factory):
+    """Two ranks that may hold 400 MiB each, the llama test model loaded."""
+    ranks = start_ranks(RANKS, tmp_path_factory.mktemp("limited"), args=[["--memory-limit", "400M"]] * RANKS)
+    cluster = Cluster([r.address for r in ranks])
+    try:
+        cluster.connect()
+        cluster.load(str(model_dir("llama")))
+        yield cluster
+    finally:
+        cluster.close()
+        stop_all(ranks)
+
+
+def test_ranks_report_free_memory_under_their_limit_and_a_forwards_cost(limited):
+    free = limited.free_memory()
+    rss = [s.rss_bytes for s in limited.stats_once()]
+    for f, held in zip(free, rss, strict=True):
+        assert 0 < f <= LIMIT - held * 0.9
+        assert f >= LIMIT - held * 1.1
+    assert all(f.per_token_bytes > 0 for f in limited.forward_memory)
+    assert limited.model.weight_bytes > 0
+
+
+def too_long(cluster: Cluster, session) -> int:
+    """A prompt length some rank cannot hold: the need model's, from what the ranks report."""
+    tokens = 1000
+    while session.memory_shortfall(tokens, 0, "pass_kv", 4) is None:
+        tokens *= 2
+    return tokens
+
+
+def test_a_prompt_no_rank_can_hold_is_refused_before_any_rank_allocates(limited, model_dir):
+    session = raw_session(limited, model_dir("llama"), "pass_kv", max_tokens=4)
+    tokens = too_long(limited, session)
+    assert tokens > 4096  # a short prompt is never refused
+    before = limited.stats_once()
+    with pytest.raises(MemoryShortfall) as refused:
+        next_turn(session, [7] * tokens)
+    message = str(refused.value)
+    assert re.match(r"rank [01] \(127\.0\.0\.1:\d+\) needs [\d.]+ (MiB|GiB) for this prompt but has "
+                    r"[\d.]+ (MiB|GiB) free: ", message), message
+    assert "ranks like it would hold it" in message and "new tokens fits" in message
+    after = limited.stats_once()
+    for b, a in zip(before, after, strict=True):
+        assert a.kv_tokens == 0 and a.state == "ready"
+        assert a.peak_rss_bytes < b.peak_rss_bytes + (16 << 20)  # nothing of the long prompt was allocated
+    # and what fits is served on the same ranks
+    got, _ = next_turn(session, [7] * 300)
+    assert len(got) == 4
+
+
+def test_headless_refuses_with_one_line_and_exit_2(model_dir, tmp_path):
+    prompt = tmp_path / "long.txt"
+    prompt.write_text("word " * 20_000)  # 60,001 tokens: inside the context
+    env = {**os.environ, "CPCHAT_MEMORY_LIMIT": "300M"}
+    result = subprocess.run([sys.executable, "-m", "cpchat", "--headless", "--ranks", "2", "--raw",
+                             "--model", str(model_dir("llama")), "--prompt-file", str(prompt)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert re.fullmatch(r"cpchat: rank [01] \(127\.0\.0\.1:\d+\) needs .+ for this prompt but has .+ free.*",
+                        lines[-1]), result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+@pytest.mark.anyio
+async def test_the_tui_says_why_a_prompt_is_not_sent(limited, model_dir, tmp_path):
+    session = raw_session(limited, model_dir("llama"), "pass_kv", max_tokens=4)
+    doc = tmp_path / "long.txt"
+    doc.write_text("word " * (too_long(limited, session) // 3))  # a word is 3 tokens
+    assert len(doc.read_text()) < 5 * 131_072 // 3, "within the model's context"
+    app = CpchatApp(Settings(max_tokens=4, seed=1), cluster=limited, model_path=str(model_dir("llama")),
+                    transcripts=tmp_path / "transcripts")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await paste(pilot, str(doc))
+        await until(pilot, lambda: chips(app) and chips(app)[0].tokens, what="the chip")
+        app.query_one(ChatInput).load_text("What is it about?")
+        app.query_one(ChatInput).focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, MemoryBudget), what="the memory dialog")
+        dialog = app.screen
+        text = " ".join(str(label.render()) for label in dialog.query("Label"))
+        assert re.search(r"needs [\d.]+ \w+ on rank [01] \(127\.0\.0\.1:\d+\), which has", text), text
+        assert not dialog.query("#send"), "no sending anyway past a rank's memory"
+        await pilot.click("#remove-0")
+        await until(pilot, lambda: app.chat.turns_done == 1 and not app.chat.busy, what="the turn without it")
+        assert app.chat.backend.session.messages[0].docs == []
+
+
+def test_cpchat_plan_prints_a_line_per_rank_and_whether_it_fits(model_dir):
+    result = subprocess.run([sys.executable, "-m", "cpchat", "plan", "--model", str(model_dir("llama")),
+                             "--context", "4K", "--ranks", "2", "--max-tokens", "16"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith(": 4,096 tokens on 2 ranks (pass_kv)"), lines[0]
+    for rank, line in zip((0, 1), lines[1:3], strict=True):
+        size = r"[\d.]+ \w+"
+        assert re.fullmatch(rf"rank {rank} \(127\.0\.0\.1:\d+\): weights {size}, K/V {size}, peak {size}; "
+                            rf"the prefill needs {size} of {size} free: fits", line), line
+    assert re.fullmatch(r"time to first token about \d+ s; decode about [\d.]+ tokens/s", lines[3]), lines[3]
+    assert lines[-1] == "fits on every rank"
+
+
+def test_a_plan_past_a_ranks_memory_says_so(limited, model_dir):
+    session = raw_session(limited, model_dir("llama"), "auto", max_tokens=16)
+    tokens = too_long(limited, session)
+    plan = make_plan(session, tokens, 16)
+    assert not all(r.fits for r in plan.ranks)
+    assert plan.refusal.startswith("rank ") and " needs " in plan.refusal
+    lines = plan_lines(plan, "llama")
+    assert lines[-1] == f"does not fit: {plan.refusal}"
+    fitting = make_plan(session, 1000, 16)
+    assert all(r.fits for r in fitting.ranks) and not fitting.refusal
+    # K/V scale with the context; the weights do not
+    assert plan.ranks[0].kv_bytes > 10 * fitting.ranks[0].kv_bytes
+    assert plan.ranks[0].weight_bytes == fitting.ranks[0].weight_bytes == limited.model.weight_bytes
+    assert plan.ranks[0].peak_bytes > fitting.ranks[0].peak_bytes
