@@ -4,16 +4,20 @@ insists, answers cut at its end; and the prefill's estimate from what the ranks 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from cpchat.client.session import ContextOverflow, SamplingOptions, Session, load_tokenizer
-from cpchat.core.estimate import PrefillCost, line_through
+from cpchat.core import attention
+from cpchat.core.estimate import PrefillCost, line_through, tile_pairs
+from cpchat.core.sharding import head_tail_layout, head_tail_positions
 from cpchat.format import human_duration
 from cpchat.rank.engine import _probe_forward, load_model
 from cpchat.rank.fit import usable_context
 from cpchat.smallmodels import write_model
 
 CONTEXT = 160
+GROUPS = 3
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +39,51 @@ def test_usable_context_reads_rope_scaling():
 
 
 def test_prefill_cost_grows_with_tokens_and_context_and_shrinks_with_ranks():
-    cost = PrefillCost(fixed_s=0.01, per_token_s=1e-4, per_pair_s=1e-9)
-    assert cost.seconds(1000, 0, 1) == pytest.approx(0.01 + 0.1 + 1e-9 * 1000 * 500)
-    assert cost.seconds(1000, 0, 2) == pytest.approx(0.01 + 0.05 + 1e-9 * 500 * 500)
+    cost = PrefillCost(fixed_s=0.01, per_token_s=1e-4, per_pair_s=1e-9, per_masked_pair_s=2e-9)
+    # one rank, 1000 tokens: one tile, masked
+    assert cost.seconds(1000, 0, 1) == pytest.approx(0.01 + 0.1 + 2e-9 * 1000 * 1000)
+    # two ranks: 500 tokens each (2 chunks of 250), reading both blocks of 500 keys whole
+    assert cost.seconds(1000, 0, 2) == pytest.approx(0.01 + 0.05 + 2e-9 * 500 * 1000)
     assert cost.seconds(1000, 4000, 2) > cost.seconds(1000, 0, 2)
+    assert cost.seconds(100_000, 0, 4) < cost.seconds(100_000, 0, 2) < cost.seconds(100_000, 0, 1)
     assert line_through(8, 0.5, 40, 1.3) == pytest.approx((0.3, 0.025))
     assert line_through(8, 0.5, 40, 0.4) == (0.5, 0.0), "noise never gives a negative cost"
     assert [human_duration(s) for s in (0.2, 42, 150, 4000)] == ["1 s", "42 s", "2 min", "1 h 7 min"]
 
+
+@pytest.mark.parametrize("tokens, ranks, cached", [(2048, 2, 0), (5000, 2, 0), (3001, 3, 0), (4096, 1, 0),
+                                                   (2500, 2, 700)])
+def test_tile_pairs_count_what_the_tiles_compute(monkeypatch, tokens, ranks, cached):
+    """The estimate's pair counts against partial_attention's own tiles: every rank's queries over
+    each rank's block of keys (as pass-KV runs them) and over the cached ones."""
+    counted: list[list[int]] = []  # per call of _scores: [pairs, masked]
+    scores, visible = attention._scores, attention._visible
+
+    def counting(xp, qt, kt):
+        counted.append([qt.shape[2] // GROUPS * kt.shape[-1], 0])  # pairs of each query head
+        return scores(xp, qt, kt)
+
+    monkeypatch.setattr(attention, "_scores", counting)
+
+    def masking(xp, q_pos, k_pos, window):
+        counted[-1][1] = 1
+        return visible(xp, q_pos, k_pos, window)
+
+    monkeypatch.setattr(attention, "_visible", masking)
+    busiest = (0, 0)
+    for rank in range(ranks):
+        q_pos = cached + np.array(head_tail_layout(tokens, ranks, rank).positions())
+        blocks = [cached + np.array(head_tail_positions(tokens, ranks, r)) for r in range(ranks)]
+        if cached:
+            blocks.append(np.arange(cached))
+        counted.clear()
+        for k_pos in blocks:
+            q = mx.zeros((1, GROUPS, len(q_pos), 4))  # one key head, GROUPS query heads
+            kv = mx.zeros((1, 1, len(k_pos), 4))
+            attention.partial_attention(q, kv, kv, q_pos, k_pos, scale=1.0)
+        pairs = (sum(n for n, m in counted if not m), sum(n for n, m in counted if m))
+        busiest = max(busiest, pairs, key=sum)
+    assert busiest == tile_pairs(tokens, cached, ranks, GROUPS)
 
 
 def test_a_calibration_forward_longer_than_the_vocabulary_feeds_only_its_tokens(model_dir):

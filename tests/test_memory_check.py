@@ -188,3 +188,15 @@ def test_a_plan_past_a_ranks_memory_says_so(limited, model_dir):
     assert plan.ranks[0].kv_bytes > 10 * fitting.ranks[0].kv_bytes
     assert plan.ranks[0].weight_bytes == fitting.ranks[0].weight_bytes == limited.model.weight_bytes
     assert plan.ranks[0].peak_bytes > fitting.ranks[0].peak_bytes
+
+
+def test_with_kv_bits_the_new_keys_and_values_are_held_packed():
+    """Past the quantized start a rank keeps the prefill's K/V quantized: the measured line's
+    full-precision K/V give way to packed ones; below it nothing changes."""
+    full = prefill_needs(WORKLOAD, "pass_kv", FORWARD, [0, 0])[0]
+    q4 = replace(WORKLOAD, kv_format=KVFormat(4, 64, 5000))
+    packed = prefill_needs(q4, "pass_kv", FORWARD, [0, 0])[0]
+    per_token = 4 * 2 * (64 + 64)  # 4 layers, 2 heads, K and V
+    assert full.forward_bytes - packed.forward_bytes == pytest.approx(5_000 * per_token * (4 - (0.5 + 8 / 64)))
+    early = prefill_needs(replace(q4, kv_format=KVFormat(4, 64, 20_000)), "pass_kv", FORWARD, [0, 0])[0]
+    assert early.forward_bytes == full.forward_bytes

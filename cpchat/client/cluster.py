@@ -74,6 +74,11 @@ class ServedModel:
         """The layers that keep K/V and attend (the others keep a recurrent state)."""
         return self.num_layers - self.state_layers
 
+    @property
+    def groups(self) -> int:
+        """Query heads that share a key head."""
+        return max(self.num_q_heads // max(self.num_kv_heads, 1), 1)
+
 
 @dataclass
 class RankHandle:
@@ -412,7 +417,9 @@ class Cluster:
         # The slowest rank sets the pace.
         self.prefill_cost = PrefillCost(max(c.prefill_fixed_s for c in results),
                                         max(c.prefill_per_token_s for c in results),
-                                        max(c.prefill_per_pair_s for c in results))
+                                        max(c.prefill_per_pair_s for c in results),
+                                        max(c.decode_step_s for c in results),
+                                        max(c.prefill_per_masked_pair_s for c in results))
         self.forward_memory = [ForwardMemory(c.forward_fixed_bytes, c.forward_per_token_bytes)
                                for c in results]
 

@@ -5,9 +5,9 @@ memory they hold and have free).
 
 Per rank: the weights; the context's K/V; the peak, which is what the rank holds now (its weights and
 runtime) plus the prefill's need (activations, its new K/V, attention tiles, the ring's blocks), or the
-peak it already reached loading the model, whichever is more. TTFT is the prefill estimate. A decode
-step is estimated as a forward of one token (the measured line's fixed cost and one token's share)
-plus attention over the rank's keys and the exchange of partials."""
+peak it already reached loading the model, whichever is more. TTFT is the prefill estimate
+(cpchat.core.estimate) and the chosen algorithm's transfers (cpchat.core.heuristics). A decode step is the
+measured forward of one token a row, attention over the rank's keys, and the exchange of partials."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from cpchat.client.memory import shortfall
 from cpchat.client.session import Session
-from cpchat.core.heuristics import decode_estimates
+from cpchat.core.heuristics import decode_estimates, transfer_seconds
 from cpchat.core.memory import kv_bytes_per_token, prefill_needs
 from cpchat.format import human_bytes, human_duration
 
@@ -60,9 +60,11 @@ def make_plan(session: Session, context: int, answer_tokens: int) -> Plan:
     cost = cluster.prefill_cost
     ttft = decode = None
     if cost is not None and cost.per_token_s:
-        ttft = cost.seconds(context, 0, cluster.size)
-        step = cost.fixed_s + cost.per_token_s + cost.per_pair_s * context / cluster.size
-        exchange = decode_estimates(session.workload(1, context), session.measured())
+        measured = session.measured()
+        ttft = cost.seconds(context, 0, cluster.size, cluster.model.groups)
+        ttft += transfer_seconds(w, measured, algorithm)
+        step = cost.step_s + cost.per_pair_s * context / cluster.size
+        exchange = decode_estimates(session.workload(1, context), measured)
         step += exchange[session.decode_exchange(context)]
         decode = 1 / step
     labels = [r.label for r in cluster.ranks]

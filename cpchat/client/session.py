@@ -190,7 +190,7 @@ class Session:
         cost = self.cluster.prefill_cost
         if cost is None or not cost.per_token_s:
             return None
-        return cost.seconds(len(tokens) - keep, keep, self.cluster.size)
+        return cost.seconds(len(tokens) - keep, keep, self.cluster.size, self.cluster.model.groups)
 
     def memory_shortfall(self, new_tokens: int, cached_tokens: int, algorithm: str, answer_tokens: int
                          ) -> MemoryShortfall | None:

@@ -42,7 +42,7 @@ cases (tests/test_heuristics.py checks it).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cpchat.core.algorithms import DECODE_EXCHANGES, PREFILL_ALGORITHMS, title
 from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
@@ -123,6 +123,12 @@ def prefill_estimates(w: Workload, m: Measured) -> dict[str, float]:
         "ulysses": uneven * compute + 2 * alpha_x + (n - 1) / n * (q + kv_sent + out) / b,
     }
     return {name: seconds * w.layers for name, seconds in per_layer.items()}
+
+
+def transfer_seconds(w: Workload, m: Measured, algorithm: str) -> float:
+    """What an algorithm's transfers add to its prefill: its estimate less the same over free links."""
+    free = replace(m, link_bytes_per_s=1e15, hop_latency_s=0.0, exchange_latency_s=0.0)
+    return prefill_estimates(w, m)[algorithm] - prefill_estimates(w, free)[algorithm]
 
 
 def choose_algorithm(w: Workload, m: Measured, candidates: tuple[str, ...] = PREFILL_ALGORITHMS) -> Choice:

@@ -3,7 +3,9 @@
 A rank that runs a prefill of T new tokens over N ranks holds T_r = padded(T)/N of them. Its
 forward allocates, beyond what the rank held before, the activations of its block and the new
 tokens' keys and values: F(T_r) = fixed + per_token · T_r, a line the rank measures when the model
-loads (`ForwardMemory`: MLX's peak over two forwards). On top of that:
+loads (`ForwardMemory`: MLX's peak over two forwards, K/V in the model's dtype; with --kv-bits, once
+the conversation passes the quantized start, the new K/V are held quantized: T_r (k_full - k_packed) L
+less). On top of that:
 
     tiles   attention's score blocks, 3 · 4 · Hkv · (G tq) · min(k_tile, keys) bytes (numpy's, on a CPU:
             MLX does not count them), G = Hq/Hkv, tq = min(TILE, T_r), k_tile as in cpchat.core.attention
@@ -63,10 +65,11 @@ def tokens_per_rank(new_tokens: int, ranks: int) -> int:
     return padded_length(new_tokens, ranks) // ranks
 
 
-def kv_bytes_per_token(w: Workload, layers: int = 0) -> float:
-    """Keys and values of one token, in `layers` attention layers (all of them if 0), as held."""
-    element = w.kv_format.bytes_per_element(w.bytes_per_element) if w.kv_format.quantized \
-        else w.bytes_per_element
+def kv_bytes_per_token(w: Workload, layers: int = 0, packed: bool | None = None) -> float:
+    """Keys and values of one token, in `layers` attention layers (all of them if 0), as held: packed
+    when the format quantizes (or as `packed` says)."""
+    packed = w.kv_format.quantized if packed is None else packed
+    element = w.kv_format.bytes_per_element(w.bytes_per_element) if packed else w.bytes_per_element
     return (layers or w.layers) * w.kv_heads * (w.head_dim + w.value_dim) * element
 
 
@@ -96,5 +99,9 @@ def prefill_needs(w: Workload, algorithm: str, forward: list[ForwardMemory], fre
     """Each rank's need for this prefill (and its answer's K/V), beside what it reports free."""
     tokens = tokens_per_rank(w.new_tokens, w.ranks)
     answer = math.ceil(answer_tokens / w.ranks) * kv_bytes_per_token(w)
-    return [Need(r, f.bytes(tokens), tile_bytes(w, tokens), ring_bytes(w, algorithm, tokens), answer, free_r)
+    packed = 0.0
+    if w.kv_format.quantized and w.cached_tokens + w.new_tokens > w.kv_format.start:
+        packed = tokens * (kv_bytes_per_token(w, packed=False) - kv_bytes_per_token(w))
+    tiles, ring = tile_bytes(w, tokens), ring_bytes(w, algorithm, tokens)
+    return [Need(r, max(f.bytes(tokens) - packed, 0.0), tiles, ring, answer, free_r)
             for r, (f, free_r) in enumerate(zip(forward, free, strict=True))]

@@ -131,12 +131,14 @@ class CalibrateRequest(_message.Message):
     def __init__(self, probe_bytes: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class CalibrateReply(_message.Message):
-    __slots__ = ("flops_per_s", "ring_bytes_per_s", "prefill_fixed_s", "prefill_per_token_s", "prefill_per_pair_s", "link_latency_s", "exchange_latency_s", "forward_fixed_bytes", "forward_per_token_bytes")
+    __slots__ = ("flops_per_s", "ring_bytes_per_s", "prefill_fixed_s", "prefill_per_token_s", "prefill_per_pair_s", "prefill_per_masked_pair_s", "decode_step_s", "link_latency_s", "exchange_latency_s", "forward_fixed_bytes", "forward_per_token_bytes")
     FLOPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     RING_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIXED_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PER_PAIR_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PER_MASKED_PAIR_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
     LINK_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIXED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -146,11 +148,13 @@ class CalibrateReply(_message.Message):
     prefill_fixed_s: float
     prefill_per_token_s: float
     prefill_per_pair_s: float
+    prefill_per_masked_pair_s: float
+    decode_step_s: float
     link_latency_s: _containers.RepeatedScalarFieldContainer[float]
     exchange_latency_s: float
     forward_fixed_bytes: float
     forward_per_token_bytes: float
-    def __init__(self, flops_per_s: _Optional[float] = ..., ring_bytes_per_s: _Optional[float] = ..., prefill_fixed_s: _Optional[float] = ..., prefill_per_token_s: _Optional[float] = ..., prefill_per_pair_s: _Optional[float] = ..., link_latency_s: _Optional[_Iterable[float]] = ..., exchange_latency_s: _Optional[float] = ..., forward_fixed_bytes: _Optional[float] = ..., forward_per_token_bytes: _Optional[float] = ...) -> None: ...
+    def __init__(self, flops_per_s: _Optional[float] = ..., ring_bytes_per_s: _Optional[float] = ..., prefill_fixed_s: _Optional[float] = ..., prefill_per_token_s: _Optional[float] = ..., prefill_per_pair_s: _Optional[float] = ..., prefill_per_masked_pair_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., link_latency_s: _Optional[_Iterable[float]] = ..., exchange_latency_s: _Optional[float] = ..., forward_fixed_bytes: _Optional[float] = ..., forward_per_token_bytes: _Optional[float] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "seed")

@@ -198,11 +198,12 @@ def _probe_forward(model, vocab_size: int, chunk: int = 3) -> fit.ProbeResult:
 
 def measure_prefill(model, info: ModelShape) -> tuple[PrefillCost, ForwardMemory]:
     """Time this model here: a forward of a few tokens and one long enough to take about 0.3 s more
-    (up to 1024 tokens) for the weights' work, and attention of 1024 queries over 2048 keys (all
-    visible: a prefill's tiles are that large) for each query-key pair's. The short forward has
-    MIN_ROWS tokens a row, so both run the products a prefill runs (below that, a low-precision
-    model's run MLX's native kernels, many times slower a token). The same two forwards' peak memory
-    gives what a forward of T tokens allocates."""
+    (up to 1024 tokens) for the weights' work, and attention of 1024 queries over 2048 keys for each
+    query-key pair's, in tiles with every pair visible and in tiles with a causal mask (a prefill's
+    tiles are that large, cpchat.core.estimate). The short forward has MIN_ROWS tokens a row, so both
+    run the products a prefill runs (below that, a low-precision model's run MLX's native kernels, many
+    times slower a token). The same two forwards' peak memory gives what a forward of T tokens
+    allocates; a forward of one token a row, a decode step's cost."""
     peaks: dict[int, int] = {}
 
     def forward_s(tokens: int) -> float:
@@ -224,14 +225,24 @@ def measure_prefill(model, info: ModelShape) -> tuple[PrefillCost, ForwardMemory
     k = mx.random.normal((1, layer.key_heads, keys, layer.key_dim))
     v = mx.random.normal((1, layer.key_heads, keys, layer.value_dim))
     mx.eval(q, k, v)
+    layers = info.num_layers - len(info.linear)
 
-    def attention_s() -> float:
-        start = time.perf_counter()
-        mx.eval(*partial_attention(q, k, v, np.arange(keys, keys + queries), np.arange(keys), scale=1.0))
-        return time.perf_counter() - start
+    def per_pair_s(first_query: int) -> float:
+        """Seconds a pair, queries from `first_query` on over keys 0..2047."""
+        q_pos, k_pos = np.arange(first_query, first_query + queries), np.arange(keys)
 
-    per_pair = min(attention_s(), attention_s()) / (queries * keys) * (info.num_layers - len(info.linear))
-    return PrefillCost(fixed, per_token, per_pair), memory
+        def once() -> float:
+            start = time.perf_counter()
+            mx.eval(*partial_attention(q, k, v, q_pos, k_pos, scale=1.0))
+            return time.perf_counter() - start
+
+        return min(once(), once()) / (queries * keys) * layers
+
+    visible = per_pair_s(keys)  # every pair visible
+    # queries 1024..2047: one tile of keys wholly visible, one masked (cpchat.core.estimate)
+    masked = max(2 * per_pair_s(keys - queries) - visible, visible)
+    step = min(forward_s(2), forward_s(2))  # rows of one token: a decode step's kernels
+    return PrefillCost(fixed, per_token, visible, step, masked), memory
 
 
 def _run_model(model, ring_pass: RingPass, ids: mx.array, row: int, evaluate: bool = True) -> mx.array:

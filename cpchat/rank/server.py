@@ -391,7 +391,9 @@ class ControlServicer(pb_grpc.ControlServicer):
             context.abort(status_of(e), str(e))
         return pb.CalibrateReply(flops_per_s=c.flops_per_s, ring_bytes_per_s=min(c.ring_bytes_per_s, 1e15),
                                  prefill_fixed_s=c.prefill.fixed_s, prefill_per_token_s=c.prefill.per_token_s,
-                                 prefill_per_pair_s=c.prefill.per_pair_s, link_latency_s=c.link_latency_s,
+                                 prefill_per_pair_s=c.prefill.per_pair_s, decode_step_s=c.prefill.step_s,
+                                 prefill_per_masked_pair_s=c.prefill.per_masked_pair_s,
+                                 link_latency_s=c.link_latency_s,
                                  exchange_latency_s=c.exchange_latency_s,
                                  forward_fixed_bytes=self.s.engine.forward_memory.fixed_bytes,
                                  forward_per_token_bytes=self.s.engine.forward_memory.per_token_bytes)
