@@ -3,16 +3,18 @@ any prompt is sent: from the ranks' own measurements when they loaded the model 
 and a forward's memory, cpchat.core.estimate and cpchat.core.memory) and what they report now (the
 memory they hold and have free).
 
-Per rank: the weights; the context's K/V; the peak, which is what the rank holds now (its weights and
-runtime) plus the prefill's need (activations, its new K/V, attention tiles, the ring's blocks), or the
-peak it already reached loading the model, whichever is more. TTFT is the prefill estimate
-(cpchat.core.estimate) and the chosen algorithm's transfers (cpchat.core.heuristics). A decode step is the
-measured forward of one token a row, attention over the rank's keys, and the exchange of partials."""
+Per rank: the weights; the context's K/V; the peak (host memory on a CPU, MLX's on a GPU): what the
+rank holds now (its weights and runtime) plus the prefill's need (activations, its new K/V, attention
+tiles, the ring's blocks), or the peak it already reached loading the model, whichever is more. TTFT
+is the prefill estimate (cpchat.core.estimate) and the chosen algorithm's transfers
+(cpchat.core.heuristics). A decode step is the measured forward of one token a row, attention over
+the rank's keys, and the exchange of partials."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cpchat.client.events import RankStats
 from cpchat.client.memory import shortfall
 from cpchat.client.session import Session
 from cpchat.core.heuristics import decode_estimates, transfer_seconds
@@ -54,8 +56,8 @@ def make_plan(session: Session, context: int, answer_tokens: int) -> Plan:
     needs = prefill_needs(w, algorithm, cluster.forward_memory, free, answer_tokens)
     stats = cluster.stats_once()
     kv = (context + answer_tokens) / cluster.size * kv_bytes_per_token(w)
-    ranks = [RankPlan(r.label, cluster.model.weight_bytes, kv, max(s.peak_rss_bytes, s.rss_bytes + n.total),
-                      n.total, n.free_bytes)
+    ranks = [RankPlan(r.label, cluster.model.weight_bytes, kv, _peak(r.computes_on_cpu, s, n.total), n.total,
+                      n.free_bytes)
              for r, s, n in zip(cluster.ranks, stats, needs, strict=True)]
     cost = cluster.prefill_cost
     ttft = decode = None
@@ -71,6 +73,14 @@ def make_plan(session: Session, context: int, answer_tokens: int) -> Plan:
     refused = shortfall(w, algorithm, cluster.forward_memory, free, answer_tokens, labels)
     return Plan(context, algorithm, ranks, ttft, decode, str(refused) if refused else "",
                 cluster.model.max_context)
+
+
+def _peak(cpu: bool, stats: RankStats, need: float) -> float:
+    """What a rank holds now plus the prefill's need, or the peak it reached already: in the host's
+    memory on a CPU, in MLX's on a GPU."""
+    if cpu:
+        return max(stats.peak_rss_bytes, stats.rss_bytes + need)
+    return max(stats.mlx_peak_bytes, stats.mlx_active_bytes + need)
 
 
 def plan_lines(plan: Plan, model: str) -> list[str]:

@@ -227,20 +227,19 @@ def measure_prefill(model, info: ModelShape) -> tuple[PrefillCost, ForwardMemory
     mx.eval(q, k, v)
     layers = info.num_layers - len(info.linear)
 
-    def per_pair_s(first_query: int) -> float:
-        """Seconds a pair, queries from `first_query` on over keys 0..2047."""
-        q_pos, k_pos = np.arange(first_query, first_query + queries), np.arange(keys)
+    def per_pair_s(first_query: int, key_count: int) -> float:
+        """Seconds a pair, the queries from `first_query` on over the first `key_count` keys."""
+        q_pos, k_pos = np.arange(first_query, first_query + queries), np.arange(key_count)
 
         def once() -> float:
             start = time.perf_counter()
-            mx.eval(*partial_attention(q, k, v, q_pos, k_pos, scale=1.0))
+            mx.eval(*partial_attention(q, k[:, :, :key_count], v[:, :, :key_count], q_pos, k_pos, scale=1.0))
             return time.perf_counter() - start
 
-        return min(once(), once()) / (queries * keys) * layers
+        return min(once(), once()) / (queries * key_count) * layers
 
-    visible = per_pair_s(keys)  # every pair visible
-    # queries 1024..2047: one tile of keys wholly visible, one masked (cpchat.core.estimate)
-    masked = max(2 * per_pair_s(keys - queries) - visible, visible)
+    visible = per_pair_s(keys, keys)  # every pair visible
+    masked = max(per_pair_s(0, queries), visible)  # one tile on the diagonal: a causal mask
     step = min(forward_s(2), forward_s(2))  # rows of one token: a decode step's kernels
     return PrefillCost(fixed, per_token, visible, step, masked), memory
 

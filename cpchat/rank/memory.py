@@ -22,17 +22,23 @@ def parse_size(text: str) -> int:
 
 
 def free_bytes(limit: int | None = None) -> int:
-    """Bytes this process may still allocate on its device, at most `limit` minus what it holds."""
+    """Bytes this process may still allocate on its device, at most `limit` minus what it holds (on a
+    CPU its resident memory, on a GPU what MLX holds there). Buffers MLX keeps cached for reuse count
+    as free: the device (or the host) sees them taken, but the next forward takes them first."""
+    cached = mx.get_cache_memory()
     if mx.default_device() == mx.cpu:
         free, held = host_available(), psutil.Process().memory_info().rss
     else:
-        info = mx.device_info()
-        total = int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0)
-        held = mx.get_active_memory()
-        free = max(total - held, 0)
+        info, held = mx.device_info(), mx.get_active_memory() + cached
+        if "free_memory" in info:  # CUDA: the device's, whoever holds the rest
+            free = int(info["free_memory"])
+        else:  # Metal: what the system recommends a process keep on the GPU
+            total = info.get("max_recommended_working_set_size") or info.get("memory_size") \
+                or info.get("total_memory") or 0
+            free = max(int(total) - held, 0)
     if limit is not None:
         free = min(free, max(limit - held, 0))
-    return free
+    return free + cached
 
 
 def host_available() -> int:
