@@ -4,9 +4,10 @@
 
     python scripts/plan_example.py
 
-What a forward allocates per token is measured here, as a rank measures it when it loads a model:
-on two layers of the 8B's widths (4-bit, converted by mlx_lm.convert as published checkpoints are),
-extended to 32 layers by their keys and values. The hosts' speeds are stated (HOST), not measured.
+What a forward's activations take per token is measured here, as a rank measures it when it loads a
+model, on two layers of the 8B's widths (4-bit, converted by mlx_lm.convert as published checkpoints
+are): a layer's activations are freed before the next layer runs, so two layers show them; the K/V of
+all 32 are counted apart. The hosts' speeds are stated (HOST), not measured.
 Everything else is cpchat.core: memory (prefill_needs), heuristics (prefill and decode estimates).
 """
 
@@ -41,19 +42,17 @@ CONTEXT, RANKS, ANSWER = 1 << 20, 8, 256
 
 
 def measured_forward() -> ForwardMemory:
-    """A forward's memory on two layers of the 8B's widths (a small vocabulary: the head runs on one
-    token), extended to 32 layers by their K/V."""
+    """A forward's activations on two layers of the 8B's widths (a small vocabulary: the head runs on
+    one token)."""
     path = cache_dir() / "plan-example-8b-widths-l2"
     if not (path / "config.json").exists():
         write_model(path, "llama", hidden_size=HIDDEN, num_layers=2, num_heads=HEADS, num_kv_heads=KV_HEADS,
                     intermediate_size=INTERMEDIATE, vocab_size=512)
     engine = Engine()
     engine.load(str(in_form(path, "q4g64")))
-    two = engine.forward_memory
-    kv_layer = KV_HEADS * 2 * HEAD_DIM * 2  # a token's K and V in one layer, bfloat16
-    print(f"measured on 2 layers: {human_bytes(two.fixed_bytes)} + {human_bytes(two.per_token_bytes)} "
-          "a token")
-    return ForwardMemory(two.fixed_bytes, two.per_token_bytes + (LAYERS - 2) * kv_layer)
+    line = engine.forward_memory
+    print(f"activations: {human_bytes(line.fixed_bytes)} + {human_bytes(line.per_token_bytes)} a token")
+    return line
 
 
 def main() -> None:

@@ -43,7 +43,8 @@ def test_the_need_grows_with_the_prompt_and_falls_with_more_ranks():
     assert tokens_per_rank(10_001, 2) == 5_002  # padded to 2N chunks
     need = prefill_needs(WORKLOAD, "pass_kv", FORWARD, [0, 0], answer_tokens=1000)[0]
     assert need.forward_bytes == 1e6 + 20_000 * 5_000
-    assert need.answer_bytes == 500 * 4 * 2 * (64 + 64) * 4  # 500 tokens each, K and V of 2 heads, 4 layers
+    per_token = 4 * 2 * (64 + 64) * 4  # K and V of 2 heads, 4 layers, float32
+    assert need.kv_bytes == 5_000 * per_token and need.answer_bytes == 500 * per_token
 
 
 def test_a_shortfall_says_what_would_fit():
@@ -190,12 +191,13 @@ def test_a_plan_past_a_ranks_memory_says_so(limited, model_dir):
 
 
 def test_with_kv_bits_the_new_keys_and_values_are_held_packed():
-    """Past the quantized start a rank keeps the prefill's K/V quantized: the measured line's
-    full-precision K/V give way to packed ones; below it nothing changes."""
+    """Past the quantized start a rank keeps the prefill's K/V quantized; below it, as they are."""
     full = prefill_needs(WORKLOAD, "pass_kv", FORWARD, [0, 0])[0]
     q4 = replace(WORKLOAD, kv_format=KVFormat(4, 64, 5000))
     packed = prefill_needs(q4, "pass_kv", FORWARD, [0, 0])[0]
     per_token = 4 * 2 * (64 + 64)  # 4 layers, 2 heads, K and V
-    assert full.forward_bytes - packed.forward_bytes == pytest.approx(5_000 * per_token * (4 - (0.5 + 8 / 64)))
+    assert full.kv_bytes == 5_000 * per_token * 4
+    assert packed.kv_bytes == pytest.approx(5_000 * per_token * (0.5 + 8 / 64))
+    assert packed.forward_bytes == full.forward_bytes
     early = prefill_needs(replace(q4, kv_format=KVFormat(4, 64, 20_000)), "pass_kv", FORWARD, [0, 0])[0]
-    assert early.forward_bytes == full.forward_bytes
+    assert early.kv_bytes == full.kv_bytes

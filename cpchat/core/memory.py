@@ -1,11 +1,10 @@
 """What a prefill needs in memory on each rank, known before it runs.
 
 A rank that runs a prefill of T new tokens over N ranks holds T_r = padded(T)/N of them. Its
-forward allocates, beyond what the rank held before, the activations of its block and the new
-tokens' keys and values: F(T_r) = fixed + per_token · T_r, a line the rank measures when the model
-loads (`ForwardMemory`: MLX's peak over two forwards, K/V in the model's dtype; with --kv-bits, once
-the conversation passes the quantized start, the new K/V are held quantized: T_r (k_full - k_packed) L
-less). On top of that:
+forward allocates, beyond what the rank held before, the new tokens' keys and values, T_r k L bytes
+(k a token's in one layer, packed with --kv-bits once the conversation passes the quantized start),
+and the activations of its block: F(T_r) = fixed + per_token · T_r, a line the rank measures when the
+model loads (`ForwardMemory`: MLX's peak over two forwards, less the K/V they stored). On top of that:
 
     tiles   attention's score blocks, 3 · 4 · Hkv · (G tq) · min(k_tile, keys) bytes (numpy's, on a CPU:
             MLX does not count them), G = Hq/Hkv, tq = min(TILE, T_r), k_tile as in cpchat.core.attention
@@ -31,7 +30,8 @@ from cpchat.core.sharding import padded_length
 
 @dataclass(frozen=True)
 class ForwardMemory:
-    """Bytes a forward of T tokens allocates on a rank beyond what it held before, as measured."""
+    """Bytes a forward of T tokens allocates on a rank beyond what it held before and the K/V it
+    stores, as measured."""
 
     fixed_bytes: float
     per_token_bytes: float
@@ -45,7 +45,8 @@ class Need:
     """One rank's memory for one prefill, against what it has free."""
 
     rank: int
-    forward_bytes: float  # activations and the new tokens' K/V (measured line)
+    kv_bytes: float  # the new tokens' keys and values
+    forward_bytes: float  # the activations of the rank's block (measured line)
     tiles_bytes: float
     ring_bytes: float
     answer_bytes: float
@@ -53,7 +54,7 @@ class Need:
 
     @property
     def total(self) -> float:
-        return self.forward_bytes + self.tiles_bytes + self.ring_bytes + self.answer_bytes
+        return self.kv_bytes + self.forward_bytes + self.tiles_bytes + self.ring_bytes + self.answer_bytes
 
     @property
     def fits(self) -> bool:
@@ -98,10 +99,9 @@ def prefill_needs(w: Workload, algorithm: str, forward: list[ForwardMemory], fre
                   answer_tokens: int = 0) -> list[Need]:
     """Each rank's need for this prefill (and its answer's K/V), beside what it reports free."""
     tokens = tokens_per_rank(w.new_tokens, w.ranks)
+    packed = w.kv_format.quantized and w.cached_tokens + w.new_tokens > w.kv_format.start
+    kv = tokens * kv_bytes_per_token(w, packed=packed)
     answer = math.ceil(answer_tokens / w.ranks) * kv_bytes_per_token(w)
-    packed = 0.0
-    if w.kv_format.quantized and w.cached_tokens + w.new_tokens > w.kv_format.start:
-        packed = tokens * (kv_bytes_per_token(w, packed=False) - kv_bytes_per_token(w))
     tiles, ring = tile_bytes(w, tokens), ring_bytes(w, algorithm, tokens)
-    return [Need(r, max(f.bytes(tokens) - packed, 0.0), tiles, ring, answer, free_r)
+    return [Need(r, kv, f.bytes(tokens), tiles, ring, answer, free_r)
             for r, (f, free_r) in enumerate(zip(forward, free, strict=True))]

@@ -202,17 +202,18 @@ def measure_prefill(model, info: ModelShape) -> tuple[PrefillCost, ForwardMemory
     query-key pair's, in tiles with every pair visible and in tiles with a causal mask (a prefill's
     tiles are that large, cpchat.core.estimate). The short forward has MIN_ROWS tokens a row, so both
     run the products a prefill runs (below that, a low-precision model's run MLX's native kernels, many
-    times slower a token). The same two forwards' peak memory gives what a forward of T tokens
-    allocates; a forward of one token a row, a decode step's cost."""
+    times slower a token). The same two forwards' peak memory, less the K/V they stored, gives what
+    a forward of T tokens allocates for its activations; a forward of one token a row, a decode
+    step's cost."""
     peaks: dict[int, int] = {}
 
     def forward_s(tokens: int) -> float:
         held = mx.get_active_memory()
         mx.reset_peak_memory()
         start = time.perf_counter()
-        _probe_forward(model, info.vocab_size, tokens // 2)
+        kv = _probe_forward(model, info.vocab_size, tokens // 2).kv
         seconds = time.perf_counter() - start
-        peaks[tokens] = mx.get_peak_memory() - held
+        peaks[tokens] = mx.get_peak_memory() - held - kv.nbytes  # the activations: K/V are counted apart
         return seconds
 
     few = 2 * MIN_ROWS
