@@ -219,7 +219,7 @@ def measure_prefill(model, info: ModelShape) -> tuple[PrefillCost, ForwardMemory
     few = 2 * MIN_ROWS
     short = min(forward_s(few), forward_s(few))
     tokens = int(min(max(few * 0.3 / max(short, 1e-6), 4 * few), 1024)) // 2 * 2
-    fixed, per_token = line_through(few, short, tokens, forward_s(tokens))
+    fixed, per_token = line_through(few, short, tokens, min(forward_s(tokens), forward_s(tokens)))
     memory = ForwardMemory(*line_through(few, peaks[few], tokens, peaks[tokens]))
     layer, queries, keys = info.first_attention, 1024, 2048
     q = mx.random.normal((1, layer.query_heads, queries, layer.key_dim))
@@ -237,7 +237,7 @@ def measure_prefill(model, info: ModelShape) -> tuple[PrefillCost, ForwardMemory
             mx.eval(*partial_attention(q, k[:, :, :key_count], v[:, :, :key_count], q_pos, k_pos, scale=1.0))
             return time.perf_counter() - start
 
-        return min(once(), once()) / (queries * key_count) * layers
+        return min(once(), once(), once()) / (queries * key_count) * layers
 
     visible = per_pair_s(keys, keys)  # every pair visible
     masked = max(per_pair_s(0, queries), visible)  # one tile on the diagonal: a causal mask
