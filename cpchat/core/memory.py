@@ -6,8 +6,9 @@ forward allocates, beyond what the rank held before, the new tokens' keys and va
 and the activations of its block: F(T_r) = fixed + per_token · T_r, a line the rank measures when the
 model loads (`ForwardMemory`: MLX's peak over two forwards, less the K/V they stored). On top of that:
 
-    tiles   attention's score blocks, 3 · 4 · Hkv · (G tq) · min(k_tile, keys) bytes (numpy's, on a CPU:
-            MLX does not count them), G = Hq/Hkv, tq = min(TILE, T_r), k_tile as in cpchat.core.attention
+    tiles   attention's score block and its masked copy, 2 · 4 · Hkv · (G tq) · min(k_tile, keys) bytes
+            (numpy's, on a CPU: MLX does not count them), G = Hq/Hkv, tq = min(TILE, T_r), k_tile as in
+            cpchat.core.attention
     ring    the blocks one layer has in flight on the rank (k = K/V bytes per token and layer):
               pass-KV     3 T_r k                 the block in use, the next one, the one sent
               all-gather  N T_r k                 every rank's block of the layer
@@ -79,7 +80,7 @@ def tile_bytes(w: Workload, tokens: int) -> float:
     tq = min(TILE, tokens)
     k_tile = max(TILE, TILE * TILE // (groups * tq))
     keys = w.cached_tokens + w.new_tokens
-    return 3 * 4 * w.kv_heads * groups * tq * min(k_tile, keys)
+    return 2 * 4 * w.kv_heads * groups * tq * min(k_tile, keys)
 
 
 def ring_bytes(w: Workload, algorithm: str, tokens: int) -> float:
