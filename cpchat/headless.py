@@ -118,6 +118,8 @@ def run_headless(args: argparse.Namespace, options: ClusterOptions) -> int:
         session = front.session_for([], raw=args.raw)
         for text, docs in read_turns(args):
             turn = session.prepare(text, docs)
+            if session.fits(turn) and (refused := session.turn_shortfall(turn)):
+                raise refused  # before its prefill's estimate: it would not run
             estimate = session.prefill_estimate_s(turn) if session.fits(turn) else None
             if estimate is not None and estimate > LONG_PREFILL_S:
                 print(f"cpchat: {len(turn.tokens):,} prompt tokens; the prefill should take about "

@@ -132,6 +132,7 @@ def test_headless_refuses_with_one_line_and_exit_2(model_dir, tmp_path):
     assert re.fullmatch(r"cpchat: rank [01] \(127\.0\.0\.1:\d+\) needs .+ for this prompt but has .+ free.*",
                         lines[-1]), result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
+    assert "prefill should take" not in result.stderr, "no estimate for a prefill that will not run"
 
 
 @pytest.mark.anyio
