@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -10,13 +11,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from cpchat import blas
+from cpchat.client.cluster import Cluster
 from cpchat.client.launcher import rank_environment
 
 CPCHAT = [sys.executable, "-m", "cpchat"]
@@ -98,6 +100,19 @@ def wait_listening(process: subprocess.Popen, log: Path) -> str:
 def stop_all(ranks: list[RankProc]) -> None:
     for r in ranks:
         r.stop()
+
+
+@contextlib.contextmanager
+def loaded_ring(ranks: list[RankProc], model: Path, token: str | None = None) -> Iterator[Cluster]:
+    """A cluster on ranks a test started, `model` loaded; closed, and the ranks stopped, after."""
+    cluster = Cluster([r.address for r in ranks], token=token)
+    try:
+        cluster.connect()
+        cluster.load(str(model))
+        yield cluster
+    finally:
+        cluster.close()
+        stop_all(ranks)
 
 
 def write_token(path: Path, token: str = "s3cret-cluster-token", mode: int = 0o600) -> Path:

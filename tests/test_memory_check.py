@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import pytest
 from helpers import next_turn, raw_session
-from rankprocs import start_ranks, stop_all
-from test_tui import RANKS, SIZE, chips, paste, ready, until
+from rankprocs import loaded_ring, start_ranks
+from test_tui import RANKS, SIZE, attach_with_question, ready, until
 
 from cpchat.client.cluster import Cluster
 from cpchat.client.memory import MemoryShortfall, shortfall
@@ -73,14 +73,8 @@ def test_a_shortfall_says_what_would_fit():
 def limited(model_dir, tmp_path_factory):
     """Two ranks that may hold 400 MiB each, the llama test model loaded."""
     ranks = start_ranks(RANKS, tmp_path_factory.mktemp("limited"), args=[["--memory-limit", "400M"]] * RANKS)
-    cluster = Cluster([r.address for r in ranks])
-    try:
-        cluster.connect()
-        cluster.load(str(model_dir("llama")))
+    with loaded_ring(ranks, model_dir("llama")) as cluster:
         yield cluster
-    finally:
-        cluster.close()
-        stop_all(ranks)
 
 
 def test_ranks_report_free_memory_under_their_limit_and_a_forwards_cost(limited):
@@ -145,9 +139,7 @@ async def test_the_tui_says_why_a_prompt_is_not_sent(limited, model_dir, tmp_pat
                     transcripts=tmp_path / "transcripts")
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        await paste(pilot, str(doc))
-        await until(pilot, lambda: chips(app) and chips(app)[0].tokens, what="the chip")
-        app.query_one(ChatInput).load_text("What is it about?")
+        await attach_with_question(pilot, doc, "What is it about?")
         app.query_one(ChatInput).focus()
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(app.screen, MemoryBudget), what="the memory dialog")

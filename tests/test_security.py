@@ -13,7 +13,7 @@ import pytest
 from helpers import random_prompt, reference_generate, reference_model, run_raw
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rankprocs import CPCHAT, make_certs, start_ranks, stop_all, write_token
+from rankprocs import CPCHAT, loaded_ring, make_certs, start_ranks, stop_all, write_token
 
 from cpchat.client.cluster import Cluster
 from cpchat.client.generation import GenerationRequest, TokenOut
@@ -34,14 +34,8 @@ def secured(model_dir, tmp_path_factory):
     """Two ranks on loopback that demand the token, as a loaded ring."""
     tmp = tmp_path_factory.mktemp("secured")
     ranks = start_ranks(2, tmp, token_file=write_token(tmp / "token"))
-    cluster = Cluster([r.address for r in ranks], token=TOKEN)
-    try:
-        cluster.connect()
-        cluster.load(str(model_dir("llama")))
+    with loaded_ring(ranks, model_dir("llama"), token=TOKEN) as cluster:
         yield cluster
-    finally:
-        cluster.close()
-        stop_all(ranks)
 
 
 def assert_still_serves(cluster: Cluster, path: Path, seed: int = 1) -> None:

@@ -106,6 +106,13 @@ def chips(app: CpchatApp) -> list[AttachmentChip]:
     return list(app.query(AttachmentChip))
 
 
+async def attach_with_question(pilot: Pilot, doc: Path, question: str) -> None:
+    """Paste a document's path (it becomes a chip once read) and type a question, not sent yet."""
+    await paste(pilot, str(doc))
+    await until(pilot, lambda: chips(pilot.app) and chips(pilot.app)[0].tokens, what="the chip")
+    pilot.app.query_one(ChatInput).load_text(question)
+
+
 async def paste(pilot: Pilot, text: str) -> None:
     from textual import events
 
@@ -382,9 +389,7 @@ async def test_a_prompt_past_the_context_asks_first(clusters, tmp_path_factory, 
 
         async def ask(attach: bool = True) -> ContextBudget:
             if attach:
-                await paste(pilot, str(doc))
-                await until(pilot, lambda: chips(app) and chips(app)[0].tokens, what="the chip")
-                app.query_one(ChatInput).load_text("What is it about?")
+                await attach_with_question(pilot, doc, "What is it about?")
             app.query_one(ChatInput).focus()
             await pilot.press("enter")
             await until(pilot, lambda: isinstance(app.screen, ContextBudget), what="the budget dialog")
