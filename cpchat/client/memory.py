@@ -48,12 +48,14 @@ def shortfall(w: Workload, algorithm: str, forward: list[ForwardMemory], free: l
         freed = w.cached_tokens / w.ranks * (kv_bytes_per_token(w) - kv_bytes_per_token(quantized))
         if fits(quantized, freed):
             suggestions.append("--kv-bits 4 would hold it")
-    low, high = 0, w.new_tokens  # the longest prompt that fits now, by bisection
+    def fits_now(tokens: int) -> bool:
+        return all(x.fits for x in prefill_needs(replace(w, new_tokens=tokens), algorithm, forward, free,
+                                                 answer_tokens))
+
+    low, high = 0, w.new_tokens - 1  # the longest prompt that fits now, by bisection
     while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if all(x.fits for x in prefill_needs(replace(w, new_tokens=mid), algorithm,
-                                                                      forward, free, answer_tokens)) \
-            else (low, mid - 1)
+        low, high = (mid, high) if fits_now(mid) else (low, mid - 1)
     if low:
         suggestions.append(f"a prompt of up to {low:,} new tokens fits")
     return MemoryShortfall(short, labels[short.rank], suggestions)

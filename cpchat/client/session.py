@@ -197,6 +197,8 @@ class Session:
         """Why some rank cannot hold this prefill and its answer, from what the ranks report free now;
         None when all can. Blocks on the ranks: not for the event loop."""
         c = self.cluster
+        if not any(f.fixed_bytes or f.per_token_bytes for f in c.forward_memory):
+            return None  # ranks of a cpchat before the check measure no forward's memory
         return shortfall(self.workload(new_tokens, cached_tokens), algorithm, c.forward_memory,
                          c.free_memory(), answer_tokens, [r.label for r in c.ranks])
 

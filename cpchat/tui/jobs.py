@@ -137,12 +137,13 @@ class BackendJobs:
         assert session is not None
         try:
             turn = session.prepare(text, documents)
-        except BadInput as e:
+            shortfall = session.turn_shortfall(turn) if session.fits(turn) else None
+            estimate = session.prefill_estimate_s(turn)
+        except (BadInput, BackendError) as e:  # a rank that stopped answering is reported by the monitor too
             self.post(Notice(str(e), "error"))
             self.post(TurnPrepared(typed, None))
             return
-        shortfall = session.turn_shortfall(turn) if session.fits(turn) else None
-        self.post(TurnPrepared(typed, turn, session.prefill_estimate_s(turn), shortfall))
+        self.post(TurnPrepared(typed, turn, estimate, shortfall))
 
     def generate(self, turn: Turn, entry: Entry, past_context: bool, store: TranscriptStore) -> None:
         """Run a turn; every event becomes a message. Tokens are saved before they are shown."""
