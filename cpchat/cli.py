@@ -62,6 +62,9 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", metavar="FILE", help="CA certificate to verify ranks' TLS certificates")
     p.add_argument("--algorithm", choices=ALGORITHMS, default=None,
                    help="how attention crosses the ranks; auto (default) picks the least estimated time")
+    p.add_argument("--shares", metavar="auto|equal|W1,W2,...", default=None,
+                   help="each rank's share of a prompt: auto (default) in proportion to the speed each "
+                        "rank measured, equal, or weights in ring order (e.g. 2,1)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="how tensors travel between ranks: auto (default) uses shared memory between ranks "
                         "on one host and gRPC between hosts; grpc: gRPC only; shm: shared memory only; "

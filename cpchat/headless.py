@@ -111,8 +111,10 @@ def run_headless(args: argparse.Namespace, options: ClusterOptions) -> int:
         cluster = front.cluster
         assert cluster is not None
         out.event(Ready(settings.model or "demo",
-                        [RankAddress(r.rank, r.address, r.blas_label, r.blas.threads) for r in cluster.ranks],
-                        transport=cluster.transport_label, kv_bits=cluster.model.kv_format.bits))
+                        [RankAddress(r.rank, r.address, r.blas_label, r.blas.threads, round(speed, 1))
+                         for r, speed in zip(cluster.ranks, cluster.speeds(), strict=True)],
+                        transport=cluster.transport_label, kv_bits=cluster.model.kv_format.bits,
+                        shares=settings.shares))
         if warning := cluster.slow_blas_warning():
             diagnostic(warning)
         session = front.session_for([], raw=args.raw)

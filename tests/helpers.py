@@ -38,10 +38,10 @@ def random_prompt(path: Path, length: int, seed: int) -> list[int]:
     return [t for t in (rng.randrange(3, vocab) for _ in range(length * 2)) if t not in stop][:length]
 
 
-def raw_session(cluster, path: Path, algorithm: str, max_tokens: int) -> Session:
+def raw_session(cluster, path: Path, algorithm: str, max_tokens: int, shares: str = "auto") -> Session:
     """A greedy session that sends token ids as they are (no chat template)."""
     return Session(cluster, load_tokenizer(str(path)), raw=True, algorithm=algorithm,
-                   sampling=SamplingOptions(max_tokens=max_tokens, temperature=0.0))
+                   sampling=SamplingOptions(max_tokens=max_tokens, temperature=0.0), shares=shares)
 
 
 def next_turn(session: Session, new: list[int]) -> tuple[list[tuple[int, float]], list]:
@@ -50,9 +50,9 @@ def next_turn(session: Session, new: list[int]) -> tuple[list[tuple[int, float]]
     return [(e.id, e.logprob) for e in events if isinstance(e, Token)], events
 
 
-def run_raw(cluster, path: Path, ids: list[int], algorithm: str, max_tokens: int):
+def run_raw(cluster, path: Path, ids: list[int], algorithm: str, max_tokens: int, shares: str = "auto"):
     """Generate through real ranks from token ids; returns (tokens, events, session)."""
-    session = raw_session(cluster, path, algorithm, max_tokens)
+    session = raw_session(cluster, path, algorithm, max_tokens, shares)
     tokens, events = next_turn(session, ids)
     return tokens, events, session
 

@@ -9,7 +9,7 @@ import pytest
 
 from cpchat.client.session import ContextOverflow, SamplingOptions, Session, load_tokenizer
 from cpchat.core import attention
-from cpchat.core.estimate import PrefillCost, line_through, tile_pairs
+from cpchat.core.estimate import PrefillCost, line_through, rank_pairs, tile_pairs
 from cpchat.core.sharding import head_tail_layout, head_tail_positions
 from cpchat.format import human_duration
 from cpchat.rank.engine import _probe_forward, load_model
@@ -42,8 +42,9 @@ def test_prefill_cost_grows_with_tokens_and_context_and_shrinks_with_ranks():
     cost = PrefillCost(fixed_s=0.01, per_token_s=1e-4, per_pair_s=1e-9, per_masked_pair_s=2e-9)
     # one rank, 1000 tokens: one tile, masked
     assert cost.seconds(1000, 0, 1) == pytest.approx(0.01 + 0.1 + 2e-9 * 1000 * 1000)
-    # two ranks: 500 tokens each (2 chunks of 250), reading both blocks of 500 keys whole
-    assert cost.seconds(1000, 0, 2) == pytest.approx(0.01 + 0.05 + 2e-9 * 500 * 1000)
+    # two ranks: 500 tokens each; rank 1's two chunks, [250, 500) and [500, 750), make one tile that
+    # reads rank 0's head chunk whole and its own block masked, and skips rank 0's tail chunk
+    assert cost.seconds(1000, 0, 2) == pytest.approx(0.01 + 0.05 + 1e-9 * 500 * 250 + 2e-9 * 500 * 500)
     assert cost.seconds(1000, 4000, 2) > cost.seconds(1000, 0, 2)
     assert cost.seconds(100_000, 0, 4) < cost.seconds(100_000, 0, 2) < cost.seconds(100_000, 0, 1)
     assert line_through(8, 0.5, 40, 1.3) == pytest.approx((0.3, 0.025))
@@ -51,11 +52,13 @@ def test_prefill_cost_grows_with_tokens_and_context_and_shrinks_with_ranks():
     assert [human_duration(s) for s in (0.2, 42, 150, 4000)] == ["1 s", "42 s", "2 min", "1 h 7 min"]
 
 
-@pytest.mark.parametrize("tokens, ranks, cached", [(2048, 2, 0), (5000, 2, 0), (3001, 3, 0), (4096, 1, 0),
-                                                   (2500, 2, 700)])
-def test_tile_pairs_count_what_the_tiles_compute(monkeypatch, tokens, ranks, cached):
+@pytest.mark.parametrize("tokens, ranks, cached, shares", [
+    (2048, 2, 0, None), (5000, 2, 0, None), (3001, 3, 0, None), (4096, 1, 0, None), (2500, 2, 700, None),
+    (5000, 2, 0, (1, 3)), (3001, 3, 300, (3, 1, 2))])
+def test_tile_pairs_count_what_the_tiles_compute(monkeypatch, tokens, ranks, cached, shares):
     """The estimate's pair counts against partial_attention's own tiles: every rank's queries over
-    each rank's block of keys (as pass-KV runs them) and over the cached ones."""
+    each rank's block of keys (as pass-KV runs them) and over the cached ones, in equal and unequal
+    shares (whose chunks meet no tile boundary: no tile spans a head and a tail chunk)."""
     counted: list[list[int]] = []  # per call of _scores: [pairs, masked]
     scores, visible = attention._scores, attention._visible
 
@@ -70,10 +73,10 @@ def test_tile_pairs_count_what_the_tiles_compute(monkeypatch, tokens, ranks, cac
         return visible(xp, q_pos, k_pos, window)
 
     monkeypatch.setattr(attention, "_visible", masking)
-    busiest = (0, 0)
+    each = []
     for rank in range(ranks):
-        q_pos = cached + np.array(head_tail_layout(tokens, ranks, rank).positions())
-        blocks = [cached + np.array(head_tail_positions(tokens, ranks, r)) for r in range(ranks)]
+        q_pos = cached + np.array(head_tail_layout(tokens, ranks, rank, shares).positions())
+        blocks = [cached + np.array(head_tail_positions(tokens, ranks, r, shares)) for r in range(ranks)]
         if cached:
             blocks.append(np.arange(cached))
         counted.clear()
@@ -81,9 +84,10 @@ def test_tile_pairs_count_what_the_tiles_compute(monkeypatch, tokens, ranks, cac
             q = mx.zeros((1, GROUPS, len(q_pos), 4))  # one key head, GROUPS query heads
             kv = mx.zeros((1, 1, len(k_pos), 4))
             attention.partial_attention(q, kv, kv, q_pos, k_pos, scale=1.0)
-        pairs = (sum(n for n, m in counted if not m), sum(n for n, m in counted if m))
-        busiest = max(busiest, pairs, key=sum)
-    assert busiest == tile_pairs(tokens, cached, ranks, GROUPS)
+        each.append((sum(n for n, m in counted if not m), sum(n for n, m in counted if m)))
+    assert each == rank_pairs(tokens, cached, ranks, GROUPS, shares)
+    if shares is None:
+        assert max(each, key=sum) == tile_pairs(tokens, cached, ranks, GROUPS)
 
 
 def test_a_calibration_forward_longer_than_the_vocabulary_feeds_only_its_tokens(model_dir):

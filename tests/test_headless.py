@@ -21,6 +21,7 @@ from rankprocs import ranks_started_with, wait_gone
 
 import cpchat
 from cpchat import blas
+from cpchat.core.sharding import rank_tokens
 
 CPCHAT = [sys.executable, "-m", "cpchat"]
 SAMPLE_DOC = Path(__file__).resolve().parents[1] / "assets" / "sample-doc.txt"
@@ -54,7 +55,7 @@ def events(stdout: str) -> list[dict]:
 def test_json_events_match_mlx_lm(model_dir):
     path = model_dir("llama")
     prompt = "The quick brown fox jumps over the lazy dog."
-    args = f"--headless --json --raw --temp 0 --max-tokens 6 --model {path} --ranks 2".split()
+    args = f"--headless --json --raw --temp 0 --max-tokens 6 --model {path} --ranks 2 --shares 1,2".split()
     result = run(args + ["--prompt", prompt])
     assert result.returncode == 0, result.stderr
     evs = events(result.stdout)
@@ -68,9 +69,12 @@ def test_json_events_match_mlx_lm(model_dir):
     assert all(r["address"].startswith("127.0.0.1:") for r in ready["ranks"])
     assert ready["transport"] == "shm"  # local ranks share memory
     assert [r["threads"] for r in ready["ranks"]] == [blas.shared_threads(2)] * 2  # the cores shared out
+    assert ready["shares"] == "1,2" and all(r["speed"] > 0 for r in ready["ranks"])
     _, tokenizer = reference_model(path)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     assert prefill["turn"] == 0 and prefill["new_tokens"] == len(ids) and prefill["cached_tokens"] == 0
+    assert prefill["shares"] == rank_tokens(len(ids), 2, (1, 2))  # the tokens each rank took
+    assert prefill["shares"][1] > prefill["shares"][0]
     # auto runs the least estimated algorithm (at N = 2 pass-KV's hop and all-gather's exchange move the
     # same bytes, so the measured latencies decide between them)
     estimates = prefill["estimates_ms"]
@@ -233,6 +237,8 @@ def test_the_demo_model_is_described_by_its_model_card():
         (["--prompt", "   "], "empty"),
         (["--prompt", "hi", "--attach", "nocolon"], "bad rank address"),
         (["--prompt", "hi", "--ranks", "0"], "ranks"),
+        (["--prompt", "hi", "--shares", "1,fast"], "shares from flag --shares: '1,fast' is not auto, equal"),
+        (["--prompt", "hi", "--ranks", "2", "--shares", "1,2,3"], "--shares 1,2,3 gives 3 weights for 2"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(model_dir, args, words):
@@ -322,6 +328,10 @@ def test_rank_refuses_bad_tokens_and_second_generation(clusters, model_dir):
         list(rank0.Generate(pb.GenerateRequest(request_id="bad", tokens=[1, 10**6], max_tokens=1)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "outside the vocabulary" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        list(rank0.Generate(pb.GenerateRequest(request_id="bad", tokens=[1], max_tokens=1, shares=[1, 2, 3])))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "2 ranks need 2 positive shares, got [1, 2, 3]" in err.value.details()
     # Rank 0 alone waits for rank 1's blocks: it stays busy until cancelled.
     stream = rank0.Generate(pb.GenerateRequest(request_id="solo", tokens=[5] * 50, max_tokens=5))
     deadline = time.monotonic() + 30

@@ -40,7 +40,8 @@ def test_the_need_grows_with_the_prompt_and_falls_with_more_ranks():
     assert total(replace(WORKLOAD, ranks=4)) < total(WORKLOAD)
     # all-gather holds every rank's block of a layer at once, pass-KV three
     assert total(replace(WORKLOAD, ranks=8), "all_gather") > total(replace(WORKLOAD, ranks=8), "pass_kv")
-    assert tokens_per_rank(10_001, 2) == 5_002  # padded to 2N chunks
+    assert tokens_per_rank(10_001, 2) == [5_002, 5_002]  # padded to 2N chunks
+    assert tokens_per_rank(10_001, 2, (3, 1)) == [7_502, 2_502]
     need = prefill_needs(WORKLOAD, "pass_kv", FORWARD, [0, 0], answer_tokens=1000)[0]
     assert need.forward_bytes == 1e6 + 20_000 * 5_000
     per_token = 4 * 2 * (64 + 64) * 4  # K and V of 2 heads, 4 layers, float32
@@ -61,6 +62,12 @@ def test_a_shortfall_says_what_would_fit():
     assert fits(replace(WORKLOAD, ranks=ranks)) and not fits(replace(WORKLOAD, ranks=ranks - 1))
     assert fits(replace(WORKLOAD, new_tokens=longest)) and not fits(replace(WORKLOAD, new_tokens=longest + 1))
     assert shortfall(WORKLOAD, "pass_kv", FORWARD, [10 * free] * 2, 16, ["r", "r"]) is None
+    # rank 1 has room to spare: shares in proportion to free memory would hold it on these two ranks
+    weights = re.search(r"--shares (\d+),(\d+) would hold it", str(refused))
+    roomy = (int(weights[1]), int(weights[2]))
+    assert roomy[1] > 2 * roomy[0]
+    shared = replace(WORKLOAD, shares=roomy)
+    assert shortfall(shared, "pass_kv", FORWARD, [free, 10 * free], 16, ["r", "r"]) is None
     # K/V held in full precision would shrink with --kv-bits: suggested where that frees enough
     held = replace(WORKLOAD, cached_tokens=200_000)
     need = prefill_needs(held, "pass_kv", FORWARD, [0, 0], 16)[0].total
@@ -154,15 +161,16 @@ async def test_the_tui_says_why_a_prompt_is_not_sent(limited, model_dir, tmp_pat
 
 def test_cpchat_plan_prints_a_line_per_rank_and_whether_it_fits(model_dir):
     result = subprocess.run([sys.executable, "-m", "cpchat", "plan", "--model", str(model_dir("llama")),
-                             "--context", "4K", "--ranks", "2", "--max-tokens", "16"],
+                             "--context", "4K", "--ranks", "2", "--max-tokens", "16", "--shares", "3,1"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].endswith(": 4,096 tokens on 2 ranks (pass_kv)"), lines[0]
-    for rank, line in zip((0, 1), lines[1:3], strict=True):
+    for rank, tokens, line in zip((0, 1), ("3,072", "1,024"), lines[1:3], strict=True):
         size = r"[\d.]+ \w+"
-        assert re.fullmatch(rf"rank {rank} \(127\.0\.0\.1:\d+\): weights {size}, K/V {size}, peak {size}; "
-                            rf"the prefill needs {size} of {size} free: fits", line), line
+        assert re.fullmatch(rf"rank {rank} \(127\.0\.0\.1:\d+\): {tokens} tokens, weights {size}, "
+                            rf"K/V {size}, peak {size}; the prefill needs {size} of {size} free: fits",
+                            line), line
     assert re.fullmatch(r"time to first token about \d+ s; decode about [\d.]+ tokens/s", lines[3]), lines[3]
     assert lines[-1] == "fits on every rank"
 

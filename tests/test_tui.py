@@ -160,6 +160,10 @@ async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
         assert threads == blas.shared_threads(RANKS)  # the cores shared out between the local ranks
         shown = f"BLAS: {rows[0].stats.blas}, {threads} thread{'s' if threads > 1 else ''}"
         assert rows[0].stats.blas and shown in str(rows[0].render())
+        # Each rank's measured speed and its share of the prefill's tokens
+        assert [r.speed for r in rows] == pytest.approx(app.chat.backend.cluster.speeds())
+        assert all(r.speed > 0 for r in rows) and sum(r.share for r in rows) == pytest.approx(1.0)
+        assert f"share {rows[0].share:.0%} · " in str(rows[0].render()) and " tok/s" in str(rows[0].render())
         assert app.query_one(BigText).text in ("pass_kv", "pass_q")
         words = {"pass_kv": "pass-KV: keys and values travel the ring",
                  "pass_q": "pass-Q: queries travel the ring"}

@@ -1,7 +1,8 @@
 """`cpchat bench`'s command line: its flags, and which comparison they run. Generation over growing
 contexts for N ranks next to mlx-lm and the ring transport next to mx.distributed (compare_mlx_lm.py),
 the prefill algorithms side by side (--algorithms: compare_algorithms.py), a second session's TTFT with
-the first one's prefix loaded from disk (--prefix-cache: prefix_cache.py), or partial_attention next to
+the first one's prefix loaded from disk (--prefix-cache: prefix_cache.py), a prefill with one rank
+slowed under each --shares mode (shares.py), or partial_attention next to
 the fused kernel (--attention: attention.py); each writes a Markdown table, the JSON and a chart.
 """
 
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 from cpchat import blas
-from cpchat.bench import compare_algorithms, compare_mlx_lm, prefix_cache
+from cpchat.bench import compare_algorithms, compare_mlx_lm, prefix_cache, shares
 from cpchat.bench.models import ARCHS
 from cpchat.cli import add_threads_flag
 from cpchat.client.cluster import TRANSPORTS
@@ -90,6 +91,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-overlap", action="store_true", help="skip the extra pass-KV prefill that measures overlap"
     )
+    p.add_argument("--shares", metavar="LIST",
+                   help="time the prefill under these --shares modes instead of mlx-lm, e.g. equal,auto,2/1, "
+                        "with one rank slowed by --slow")
+    p.add_argument("--slow", metavar="RANK:FRACTION", default="1:0.5",
+                   help="with --shares: hold that local rank to FRACTION of a core by a CPU quota (Linux, "
+                        "as root; default 1:0.5)")
     p.add_argument("--prefix-cache", action="store_true",
                    help="time a second session on new ranks that loads the first one's saved prefix from "
                         "disk, against the first; the save's cost on the first turn; disk bytes per rank "
@@ -120,12 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.hidden, args.layers, args.contexts, args.ranks = 256, 4, "512,1024", "1,2"
         args.repeats, args.decode, args.transport = 1, 8, "1,16"
-    if args.algorithms or args.prefix_cache:
+    if args.algorithms or args.prefix_cache or args.shares:
         if len(blas_modes) > 1:
-            print("cpchat bench: --algorithms and --prefix-cache run one BLAS; compare BLAS without them",
-                  file=sys.stderr)
+            print("cpchat bench: --algorithms, --shares and --prefix-cache run one BLAS; compare BLAS "
+                  "without them", file=sys.stderr)
             return 2
         args.blas_choice = blas_modes[0]
+        if args.shares:
+            return shares.run_shares(args, command_line(argv))
         if args.prefix_cache:
             return prefix_cache.run_prefix_cache(args, command_line(argv))
         return compare_algorithms.run_comparison(args, command_line(argv))

@@ -246,22 +246,24 @@ class Run:
     prefill_ms: float
     ran: str  # the algorithm the ranks report having run
     choice: AlgorithmChoice
+    shares: list[int]  # the tokens each rank took
 
 
-def prefill_once(cluster: Cluster, tokenizer, ids: list[int], algorithm: str) -> Run:
+def prefill_once(cluster: Cluster, tokenizer, ids: list[int], algorithm: str, shares: str = "auto") -> Run:
     """One prefill from an empty cache, generating one token only, so the ranks' last algorithm is
     the prefill's."""
     cluster.reset(0)
     session = Session(cluster, tokenizer, raw=True, algorithm=algorithm,
-                      sampling=SamplingOptions(max_tokens=1, temperature=0.0))
+                      sampling=SamplingOptions(max_tokens=1, temperature=0.0), shares=shares)
     ttft = prefill = 0.0
+    taken: list[int] = []
     for event in session._generate(ids):
         if isinstance(event, Prefill):
-            prefill = event.ms
+            prefill, taken = event.ms, event.shares
         elif isinstance(event, Done):
             ttft = event.ttft_ms
     ran = "/".join(sorted({s.algorithm for s in cluster.stats_once()}))
-    return Run(ttft, prefill, ran, session.last_choice)
+    return Run(ttft, prefill, ran, session.last_choice, taken)
 
 
 def prefill_cell(cluster: Cluster, tokenizer, variant: Variant, context: int, algorithms: list[str],

@@ -201,6 +201,7 @@ class Cluster:
         self.link_latency_s: list[list[float]] = []  # [from rank][to rank], one way
         self.exchange_latency_s = 0.0
         self.prefill_cost: PrefillCost | None = None
+        self.rank_costs: list[PrefillCost] = []  # each rank's, as it measured them
         self.forward_memory: list[ForwardMemory] = []  # per rank, with the loaded model
         self.ring_id = ""
         self.link_transports: list[list[str]] = []  # [from rank][to rank]: "shm" | "grpc" | "" (itself)
@@ -414,7 +415,9 @@ class Cluster:
         self.ring_bytes_per_s = min(c.ring_bytes_per_s for c in results)
         self.link_latency_s = [list(c.link_latency_s) for c in results]
         self.exchange_latency_s = max(c.exchange_latency_s for c in results)
-        # The slowest rank sets the pace.
+        self.rank_costs = [PrefillCost(c.prefill_fixed_s, c.prefill_per_token_s, c.prefill_per_pair_s,
+                                       c.decode_step_s, c.prefill_per_masked_pair_s) for c in results]
+        # Under equal shares the slowest rank sets the pace.
         self.prefill_cost = PrefillCost(max(c.prefill_fixed_s for c in results),
                                         max(c.prefill_per_token_s for c in results),
                                         max(c.prefill_per_pair_s for c in results),
@@ -422,6 +425,12 @@ class Cluster:
                                         max(c.prefill_per_masked_pair_s for c in results))
         self.forward_memory = [ForwardMemory(c.forward_fixed_bytes, c.forward_per_token_bytes)
                                for c in results]
+
+    def speeds(self) -> list[float]:
+        """Tokens a second each rank's forward runs, as it measured (0 where it did not)."""
+        if len(self.rank_costs) != self.size:
+            return [0.0] * self.size
+        return [1 / c.per_token_s if c.per_token_s else 0.0 for c in self.rank_costs]
 
     def free_memory(self) -> list[int]:
         """The bytes each rank may still allocate, as it reports them now."""
@@ -719,7 +728,7 @@ def _request(g: GenerationRequest) -> pb.GenerateRequest:
         algorithm=pb.Algorithm.Value(BY_NAME[g.algorithm].wire), max_tokens=g.max_tokens,
         sampling=pb.Sampling(temperature=g.temperature, top_p=g.top_p, seed=g.seed),
         stop_tokens=g.stop_tokens, decode=pb.Decode.Value(BY_NAME[g.decode].wire), save_prefix=g.save_prefix,
-        keep_state_at=g.keep_state_at,
+        keep_state_at=g.keep_state_at, shares=g.shares,
     )
 
 

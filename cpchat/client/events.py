@@ -18,6 +18,7 @@ class RankAddress:
     address: str
     blas: str = ""  # the BLAS its CPU products run on, e.g. "OpenBLAS 0.3.21 Haswell"
     threads: int = 0  # the threads that BLAS runs, as it reports (--threads)
+    speed: float = 0.0  # tokens a second its forward runs, as it measured when the model loaded
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Ready:
     version: str = __version__  # cpchat's
     transport: str = ""  # how tensors travel between the ranks: "mlx", "shm", "grpc", or a mix "shm+grpc"
     kv_bits: int = 0  # K/V quantized to this many bits (--kv-bits); 0: the model's dtype
+    shares: str = "auto"  # how a prompt is shared out: auto (by the speeds), equal, or weights (--shares)
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Prefill:
     reused_tokens: int = 0  # the cached tokens: K/V held in the ranks' memory or loaded from their disks
     cache: str = "none"  # where they came from: "memory" | "disk" | "none"
     load_ms: float = 0.0  # finding and loading them from disk (before the prefill's ms)
+    shares: list[int] = field(default_factory=list)  # the new tokens each rank took (--shares)
 
 
 @dataclass

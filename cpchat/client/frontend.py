@@ -106,7 +106,7 @@ class Frontend:
             s = self.settings
             sampling = SamplingOptions(s.max_tokens, s.temp, s.top_p, s.seed)
             self.session = Session(self.cluster, self.tokenizer, raw=raw, algorithm=s.algorithm,
-                                   sampling=sampling, prefix_cache=s.cache)
+                                   sampling=sampling, prefix_cache=s.cache, shares=s.shares)
             self.session.messages = list(messages)
         return self.session
 

@@ -20,6 +20,7 @@ class GenerationRequest:
     request_id: str = ""  # empty: the cluster names it
     save_prefix: bool = False  # the ranks save what they hold after the answer (the prefix cache)
     keep_state_at: int = 0  # linear layers also keep their state after this many of `tokens` (0: no)
+    shares: tuple[int, ...] = ()  # each rank's share of `tokens` (cpchat.core.sharding); empty: equal
 
 
 @dataclass(frozen=True)

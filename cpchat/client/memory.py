@@ -9,6 +9,7 @@ from dataclasses import replace
 from cpchat.core.heuristics import Workload
 from cpchat.core.memory import ForwardMemory, Need, kv_bytes_per_token, prefill_needs
 from cpchat.core.quantized_kv import KVFormat
+from cpchat.core.sharding import integer_shares
 from cpchat.errors import BadInput
 from cpchat.format import human_bytes
 
@@ -40,7 +41,8 @@ def shortfall(w: Workload, algorithm: str, forward: list[ForwardMemory], free: l
         return all(x.fits for x in needs)
 
     suggestions = []
-    ranks = next((n for n in range(w.ranks + 1, MAX_RANKS_SUGGESTED + 1) if fits(replace(w, ranks=n))), None)
+    ranks = next((n for n in range(w.ranks + 1, MAX_RANKS_SUGGESTED + 1)
+                  if fits(replace(w, ranks=n, shares=None))), None)
     if ranks:
         suggestions.append(f"{ranks} ranks like it would hold it")
     if not w.kv_format.quantized and w.cached_tokens:  # the K/V held now would shrink
@@ -48,6 +50,12 @@ def shortfall(w: Workload, algorithm: str, forward: list[ForwardMemory], free: l
         freed = w.cached_tokens / w.ranks * (kv_bytes_per_token(w) - kv_bytes_per_token(quantized))
         if fits(quantized, freed):
             suggestions.append("--kv-bits 4 would hold it")
+    if w.ranks > 1:  # the same ranks, each given a share in proportion to its free memory
+        roomy = integer_shares([max(f, 1) for f in free], resolution=16)
+        needs = prefill_needs(replace(w, shares=roomy), algorithm, forward, free, answer_tokens)
+        if roomy != w.shares and all(x.fits for x in needs):
+            suggestions.append(f"--shares {','.join(map(str, roomy))} would hold it")
+
     def fits_now(tokens: int) -> bool:
         return all(x.fits for x in prefill_needs(replace(w, new_tokens=tokens), algorithm, forward, free,
                                                  answer_tokens))

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from cpchat.client.events import RankStats
 from cpchat.client.memory import shortfall
 from cpchat.client.session import Session
+from cpchat.core.estimate import rank_seconds
 from cpchat.core.heuristics import decode_estimates, transfer_seconds
 from cpchat.core.memory import kv_bytes_per_token, prefill_needs
+from cpchat.core.sharding import rank_tokens
 from cpchat.format import human_bytes, human_duration
 
 
@@ -30,6 +32,7 @@ class RankPlan:
     peak_bytes: float
     need_bytes: float  # what the prefill allocates beyond what the rank holds now
     free_bytes: int
+    tokens: int = 0  # its share of the context (--shares)
 
     @property
     def fits(self) -> bool:
@@ -55,15 +58,16 @@ def make_plan(session: Session, context: int, answer_tokens: int) -> Plan:
     free = cluster.free_memory()
     needs = prefill_needs(w, algorithm, cluster.forward_memory, free, answer_tokens)
     stats = cluster.stats_once()
-    kv = (context + answer_tokens) / cluster.size * kv_bytes_per_token(w)
-    ranks = [RankPlan(r.label, cluster.model.weight_bytes, kv, _peak(r.computes_on_cpu, s, n.total), n.total,
-                      n.free_bytes)
-             for r, s, n in zip(cluster.ranks, stats, needs, strict=True)]
+    held = rank_tokens(context, cluster.size, w.shares)  # and each rank's share of the answer's
+    answer = [n.answer_bytes / kv_bytes_per_token(w) for n in needs]
+    ranks = [RankPlan(r.label, cluster.model.weight_bytes, (t + a) * kv_bytes_per_token(w),
+                      _peak(r.computes_on_cpu, s, n.total), n.total, n.free_bytes, t)
+             for r, s, n, t, a in zip(cluster.ranks, stats, needs, held, answer, strict=True)]
     cost = cluster.prefill_cost
     ttft = decode = None
     if cost is not None and cost.per_token_s:
         measured = session.measured()
-        ttft = cost.seconds(context, 0, cluster.size, cluster.model.groups)
+        ttft = max(rank_seconds(cluster.rank_costs, context, 0, cluster.model.groups, w.shares))
         ttft += transfer_seconds(w, measured, algorithm)
         step = cost.step_s + cost.per_pair_s * context / cluster.size
         exchange = decode_estimates(session.workload(1, context), measured)
@@ -88,7 +92,8 @@ def plan_lines(plan: Plan, model: str) -> list[str]:
     lines = [f"{model}: {plan.context:,} tokens on {len(plan.ranks)} rank{'s' * (len(plan.ranks) > 1)} "
              f"({plan.algorithm})"]
     for r in plan.ranks:
-        lines.append(f"{r.label}: weights {human_bytes(r.weight_bytes)}, K/V {human_bytes(r.kv_bytes)}, "
+        lines.append(f"{r.label}: {r.tokens:,} tokens, weights {human_bytes(r.weight_bytes)}, "
+                     f"K/V {human_bytes(r.kv_bytes)}, "
                      f"peak {human_bytes(r.peak_bytes)}; the prefill needs {human_bytes(r.need_bytes)} of "
                      f"{human_bytes(r.free_bytes)} free: {'fits' if r.fits else 'does not fit'}")
     if plan.ttft_s is not None and plan.decode_tokens_per_s is not None:

@@ -25,7 +25,10 @@ from cpchat.client.events import (
 from cpchat.client.generation import GenerationDone, GenerationRequest, LayerDone, PrefillDone, TokenOut
 from cpchat.client.memory import MemoryShortfall, shortfall
 from cpchat.client.prefixes import MIN_GAIN, PrefixChoice, PrefixGone, choose_prefix
+from cpchat.client.settings import parse_shares
+from cpchat.core.estimate import balanced_shares, rank_seconds
 from cpchat.core.heuristics import Measured, Workload, choose_algorithm, choose_decode
+from cpchat.core.sharding import Shares, rank_tokens
 from cpchat.errors import BadInput
 
 Event = CacheLoaded | Prefill | Progress | Token | Done
@@ -97,6 +100,7 @@ class Session:
         sampling: SamplingOptions | None = None,
         decode: str = "auto",
         prefix_cache: bool = False,
+        shares: str = "auto",
     ) -> None:
         self.cluster, self.tokenizer, self.raw = cluster, tokenizer, raw
         # Reuse prefixes the ranks saved on disk, and have them save this conversation once it holds
@@ -109,6 +113,11 @@ class Session:
         # How decode steps run: "exchange" (partial outputs in one step), "ring", "lead" (rank 0 runs
         # the model, the others attend its queries), or "auto" (the cost model's choice).
         self.decode = decode
+        # Each rank's share of a prompt: "auto" (what evens out the ranks' measured prefill times),
+        # "equal", or weights "W1,W2,..." (cpchat.core.sharding).
+        self.shares = parse_shares(shares)
+        if isinstance(self.shares, tuple) and len(self.shares) != cluster.size:
+            raise BadInput(f"--shares {shares} gives {len(self.shares)} weights for {cluster.size} ranks")
         self.sampling = sampling or SamplingOptions()
         self.messages: list[Message] = []
         self.raw_history: list[int] = []  # --raw: every prompt and generated token so far
@@ -187,10 +196,19 @@ class Session:
         return self._prefill_seconds(turn.tokens, keep)
 
     def _prefill_seconds(self, tokens: list[int], keep: int) -> float | None:
-        cost = self.cluster.prefill_cost
-        if cost is None or not cost.per_token_s:
+        c, new = self.cluster, len(tokens) - keep
+        if not c.rank_costs or not all(cost.per_token_s for cost in c.rank_costs):
             return None
-        return cost.seconds(len(tokens) - keep, keep, self.cluster.size, self.cluster.model.groups)
+        return max(rank_seconds(c.rank_costs, new, keep, c.model.groups, self.shares_for(new, keep)))
+
+    def shares_for(self, new_tokens: int, cached_tokens: int) -> Shares | None:
+        """Each rank's share of a prefill of `new_tokens` (None: equal ones)."""
+        c = self.cluster
+        if isinstance(self.shares, tuple):
+            return self.shares
+        if self.shares == "equal" or not c.rank_costs or not all(x.per_token_s for x in c.rank_costs):
+            return None
+        return balanced_shares(c.rank_costs, new_tokens, cached_tokens, c.model.groups)
 
     def memory_shortfall(self, new_tokens: int, cached_tokens: int, algorithm: str, answer_tokens: int
                          ) -> MemoryShortfall | None:
@@ -237,7 +255,8 @@ class Session:
         head_dim = m.head_dim or 64  # ranks older than the field: the model's own sizes are unknown
         return Workload(new_tokens, cached_tokens, self.cluster.size, m.num_q_heads, m.num_kv_heads,
                         head_dim, m.value_dim or head_dim, m.bytes_per_element,
-                        max(m.attention_layers, 1), m.kv_format, states=m.state_layers > 0)
+                        max(m.attention_layers, 1), m.kv_format, states=m.state_layers > 0,
+                        shares=self.shares_for(new_tokens, cached_tokens))
 
     def measured(self) -> Measured:
         c = self.cluster
@@ -347,6 +366,7 @@ class Session:
         self.last_choice = choice
         seed = self.sampling.seed if self.sampling.seed is not None else random.getrandbits(32)
         linear = self.cluster.model.state_layers  # their states cannot be cut back: keep one at documents_end
+        shares = self.shares_for(len(new), keep)
         request = GenerationRequest(
             tokens=new, keep_tokens=keep,
             max_tokens=answer_tokens,
@@ -355,6 +375,7 @@ class Session:
             stop_tokens=sorted(self.tokenizer.eos_token_ids),
             save_prefix=self.prefix_cache and len(full) - self.saved >= self.save_min_tokens,
             keep_state_at=max(documents_end - keep, 0) if self.prefix_cache and linear else 0,
+            shares=shares or (),
         )
         turn = self.turn_index
         detok = self.tokenizer.detokenizer
@@ -379,7 +400,8 @@ class Session:
             elif isinstance(event, PrefillDone):
                 yield Prefill(turn, len(new), keep, choice.algorithm, round(event.ms, 1), choice.reason,
                               choice.estimates_ms, event.linear_layers, round(event.state_combine_ms, 1),
-                              reused_tokens=keep, cache=cache, load_ms=load_ms if cache == "disk" else 0.0)
+                              reused_tokens=keep, cache=cache, load_ms=load_ms if cache == "disk" else 0.0,
+                              shares=rank_tokens(len(new), self.cluster.size, shares))
             elif isinstance(event, TokenOut):
                 t_last = time.perf_counter()
                 t_first = t_first or t_last

@@ -26,6 +26,7 @@ from cpchat.checkpoints.resolve import is_checkpoint, local_gguf
 from cpchat.client.hub import is_hub_id
 from cpchat.core.algorithms import ALGORITHMS
 from cpchat.core.quantized_kv import BITS, GROUP_SIZES, QUANTIZED_KV_START, KVFormat
+from cpchat.core.sharding import Shares, integer_shares
 from cpchat.dirs import PREFIX_CACHE_GB, cache_dir, config_dir, data_dir
 from cpchat.errors import BadInput
 
@@ -45,6 +46,7 @@ class Settings:
     model: str = ""
     ranks: int = 2
     algorithm: str = "auto"
+    shares: str = "auto"  # each rank's share of a prompt: auto (by measured speed) | equal | W1,W2,...
     max_tokens: int = 256
     temp: float = 0.0
     top_p: float = 1.0
@@ -65,6 +67,13 @@ class Settings:
         return KVFormat(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
 
+def parse_shares(text: str) -> Shares | str:
+    """--shares: "auto", "equal", or weights "W1,W2,..." as integer shares."""
+    if text in ("auto", "equal"):
+        return text
+    return integer_shares([float(w) for w in text.split(",")])
+
+
 def _flag(value: object) -> bool:
     """A TOML boolean, or true/false, yes/no, on/off, 1/0 from the environment."""
     if isinstance(value, bool):
@@ -80,6 +89,7 @@ _CASTS = {
     "model": str,
     "ranks": int,
     "algorithm": str,
+    "shares": str,
     "max_tokens": int,
     "temp": float,
     "top_p": float,
@@ -104,6 +114,12 @@ def _set(settings: Settings, key: str, value: object, source: str) -> None:
         raise BadInput(f"setting {key} from {source}: {value!r} is not {kind}") from None
     if key == "algorithm" and value not in ALGORITHMS:
         raise BadInput(f"setting algorithm from {source}: {value!r} is not {', '.join(ALGORITHMS)}")
+    if key == "shares":
+        try:
+            parse_shares(value)
+        except ValueError:
+            raise BadInput(f"setting shares from {source}: {value!r} is not auto, equal or "
+                           "positive weights W1,W2,... (one a rank)") from None
     if key == "blas" and value not in blas.CHOICES:
         raise BadInput(f"setting blas from {source}: {value!r} is not {', '.join(blas.CHOICES)}")
     if key == "cache_max_gb" and value < 0:
@@ -143,6 +159,7 @@ def resolve_settings(args: argparse.Namespace, config_file: Path | None = None) 
         "model": args.model,
         "ranks": args.ranks,
         "algorithm": args.algorithm,
+        "shares": args.shares,
         "max_tokens": args.max_tokens,
         "temp": args.temp,
         "top_p": args.top_p,

@@ -20,8 +20,11 @@ normaliser once, after the merge: `add_sink`.
 
 Attention is computed in (query tile x key tile) blocks with an online softmax,
 so memory stays bounded; tiles wholly in the future or wholly out of the window
-are skipped and wholly visible tiles need no mask. Outputs stay float32 until
-the caller casts the merged result, so low-precision models round once.
+are skipped and wholly visible tiles need no mask. A tile never spans a break
+in the positions (a rank's head chunk and its tail chunk) longer than a few
+tokens: across one, its earlier rows would be computed for every key only its
+later rows see. Outputs stay float32 until the caller casts the merged result,
+so low-precision models round once.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 TILE = 1024
+MIN_RUN = TILE // 8  # runs of positions shorter than this (decoded tokens, one a rank in N) share tiles
 _NEG_INF = float("-inf")
 
 
@@ -91,8 +95,7 @@ def partial_attention(
     qg = qg.reshape(B, Hkv, groups, Lq, D)
 
     outs, lses = [], []
-    for q0 in range(0, Lq, tile):
-        q1 = min(q0 + tile, Lq)
+    for q0, q1 in tile_bounds(qp, tile):
         tq = q1 - q0
         qt = (qg[:, :, :, q0:q1] * scale).reshape(B, Hkv, groups * tq, D)
         # Bound the score block to about tile x tile per KV head: few queries (decode) get long key tiles.
@@ -144,6 +147,19 @@ def fused_attention(q: mx.array, k: mx.array, v: mx.array, q_pos: np.ndarray, k_
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
+def tile_bounds(positions: np.ndarray, tile: int) -> list[tuple[int, int]]:
+    """[start, stop) index ranges of at most `tile` positions each, cut at every break in the
+    positions between runs of at least MIN_RUN."""
+    breaks = (np.flatnonzero(np.diff(positions) != 1) + 1).tolist()
+    runs: list[list[int]] = []
+    for a, b in zip([0, *breaks], [*breaks, len(positions)], strict=True):
+        if runs and (b - a < MIN_RUN or runs[-1][1] - runs[-1][0] < MIN_RUN):
+            runs[-1][1] = b
+        else:
+            runs.append([a, b])
+    return [(s, min(s + tile, b)) for a, b in runs for s in range(a, b, tile)]
+
+
 def _query_tile(xp: ModuleType, qt, kt, vf, qt_pos: np.ndarray, kp: np.ndarray, k_tile: int,
                 window: int | None):
     """Online softmax of one query tile [B, Hkv, R, D] over the key tiles it can see."""
@@ -152,8 +168,7 @@ def _query_tile(xp: ModuleType, qt, kt, vf, qt_pos: np.ndarray, kp: np.ndarray, 
     m = xp.full(rows, _NEG_INF, dtype=xp.float32)
     denom = xp.zeros(rows, dtype=xp.float32)
     acc = xp.zeros((*rows, vf.shape[-1]), dtype=xp.float32)
-    for k0 in range(0, kp.shape[0], k_tile):
-        k1 = min(k0 + k_tile, kp.shape[0])
+    for k0, k1 in tile_bounds(kp, k_tile):
         k_lo, k_hi = int(kp[k0:k1].min()), int(kp[k0:k1].max())
         if k_lo > q_hi or (window is not None and q_lo - k_hi >= window):
             continue  # every key in the future of every query, or out of every query's window

@@ -1,27 +1,33 @@
 """How long a prefill will take, from what each rank measured when it loaded the model.
 
-A rank's share of a prefill of T new tokens after P cached ones, over N ranks, is a forward of
-T_r = padded(T)/N tokens (the weights' work, linear in tokens, plus a fixed cost per forward) and
-attention of those queries over the keys before them. Attention runs in tiles (cpchat.core.attention):
-a tile with no visible pair is skipped, every other one is computed whole, and one with some hidden
-pair costs more a pair (its mask). So the pairs that count are the tiles' (`tile_pairs`), not the
-causal ones: under head-tail sharding a rank's block of up to one tile reads every key block whole,
-twice the visible pairs.
+A rank's share of a prefill of T new tokens after P cached ones, over N ranks, is a forward of its
+T_r tokens (padded(T)/N for equal shares; the weights' work, linear in tokens, plus a fixed cost per
+forward) and attention of those queries over the keys before them. Attention runs in tiles
+(cpchat.core.attention): a tile with no visible pair is skipped, every other one is computed whole,
+and one with some hidden pair costs more a pair (its mask). So the pairs that count are the tiles'
+(`tile_pairs`), not the causal ones: under head-tail sharding a rank's block of up to one tile reads
+every key block whole, twice the visible pairs.
 
     seconds = fixed + per_token · T_r + per_pair · visible-tile pairs + per_masked_pair · masked-tile pairs
 
 per_pair and per_masked_pair already sum over the model's layers; the busiest rank sets the time.
-The ring's transfers are left out (cpchat.core.heuristics estimates them).
+The ring's transfers are left out (cpchat.core.heuristics estimates them). Ranks of different speeds
+get shares that even their times out (`balanced_shares`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from cpchat.core.attention import TILE
-from cpchat.core.sharding import head_tail_layout, head_tail_positions
+from cpchat.core.attention import TILE, tile_bounds
+from cpchat.core.sharding import Shares, head_tail_layout, head_tail_positions, integer_shares
+
+# Auto shares stay equal unless the cost model expects uneven ones to be this much faster: the
+# calibration of equally fast ranks differs by a few per cent from run to run.
+UNEVEN_GAIN = 1.10
 
 
 @dataclass(frozen=True)
@@ -32,49 +38,86 @@ class PrefillCost:
     step_s: float = 0.0  # a forward of one token a row (a decode step's products, before its attention)
     per_masked_pair_s: float = 0.0  # each pair of a tile where some pair is hidden (0: as per_pair_s)
 
-    def seconds(self, new_tokens: int, cached_tokens: int, ranks: int, groups: int = 1) -> float:
-        """The busiest rank's prefill; `groups` query heads share a key head (they set the key tiles)."""
-        if new_tokens < 1:
-            return self.fixed_s
-        visible, masked = tile_pairs(new_tokens, cached_tokens, ranks, groups)
-        local = len(head_tail_layout(new_tokens, ranks, 0).positions())
-        return (self.fixed_s + self.per_token_s * local + self.per_pair_s * visible
+    def seconds(self, new_tokens: int, cached_tokens: int, ranks: int, groups: int = 1,
+                shares: Shares | None = None) -> float:
+        """The busiest rank's prefill, every rank at this cost; `groups` query heads share a key head
+        (they set the key tiles)."""
+        return max(rank_seconds([self] * ranks, new_tokens, cached_tokens, groups, shares))
+
+    def rank_seconds(self, tokens: int, pairs: tuple[int, int]) -> float:
+        """A rank's prefill of `tokens` queries that compute `pairs` (tile_pairs') in its tiles."""
+        visible, masked = pairs
+        return (self.fixed_s + self.per_token_s * tokens + self.per_pair_s * visible
                 + (self.per_masked_pair_s or self.per_pair_s) * masked)
+
+
+def rank_seconds(costs: Sequence[PrefillCost], new_tokens: int, cached_tokens: int, groups: int = 1,
+                 shares: Shares | None = None) -> list[float]:
+    """Each rank's prefill, rank i at costs[i] with its share of the new tokens."""
+    ranks = len(costs)
+    if new_tokens < 1:
+        return [c.fixed_s for c in costs]
+    pairs = rank_pairs(new_tokens, cached_tokens, ranks, groups, shares)
+    tokens = [2 * head_tail_layout(new_tokens, ranks, r, shares).chunk for r in range(ranks)]
+    return [c.rank_seconds(t, p) for c, t, p in zip(costs, tokens, pairs, strict=True)]
+
+
+def balanced_shares(costs: Sequence[PrefillCost], new_tokens: int, cached_tokens: int, groups: int = 1
+                    ) -> Shares | None:
+    """Shares that even out the ranks' prefill times (None: equal ones). A rank's two chunks read
+    pairs in proportion to their length (cpchat.core.sharding), so the first guess is each rank's
+    speed at this prompt's mean keys a query; two corrections from the tile-level estimate follow,
+    and uneven shares are taken only when expected UNEVEN_GAIN faster than equal ones."""
+    if len(costs) < 2 or new_tokens < 2 * len(costs):
+        return None
+    keys = cached_tokens + new_tokens / 2
+    weights = [1 / max(c.per_token_s + c.per_pair_s * keys, 1e-12) for c in costs]
+    best, best_s = None, max(rank_seconds(costs, new_tokens, cached_tokens, groups)) / UNEVEN_GAIN
+    for _ in range(3):
+        shares = integer_shares(weights)
+        times = rank_seconds(costs, new_tokens, cached_tokens, groups, shares)
+        if max(times) < best_s:
+            best, best_s = shares, max(times)
+        weights = [w * sum(times) / len(times) / t for w, t in zip(weights, times, strict=True)]
+    return best
 
 
 def tile_pairs(new_tokens: int, cached_tokens: int, ranks: int, groups: int = 1, tile: int = TILE
                ) -> tuple[int, int]:
     """(Pairs in wholly visible tiles, pairs in partly hidden ones) that the busiest rank computes in
-    a prefill: its query tiles against the cached keys (all visible) and against each rank's block of
+    a prefill with equal shares."""
+    return max(rank_pairs(new_tokens, cached_tokens, ranks, groups, tile=tile), key=sum)
+
+
+def rank_pairs(new_tokens: int, cached_tokens: int, ranks: int, groups: int = 1, shares: Shares | None = None,
+               tile: int = TILE) -> list[tuple[int, int]]:
+    """(Pairs in wholly visible tiles, pairs in partly hidden ones) that each rank computes in a
+    prefill: its query tiles against the cached keys (all visible) and against each rank's block of
     new keys, tile by tile, as partial_attention cuts them (`groups` query heads a key head)."""
-    blocks = [cached_tokens + np.array(head_tail_positions(new_tokens, ranks, r)) for r in range(ranks)]
-    keys = np.concatenate(blocks)
-    ends = np.cumsum([len(b) for b in blocks])
+    blocks = [cached_tokens + np.array(head_tail_positions(new_tokens, ranks, r, shares))
+              for r in range(ranks)]
     tiled: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def key_tiles(k_tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """First and last position and size of every key tile, each rank's block cut on its own."""
         if k_tile not in tiled:
-            cuts = [(a, min(a + k_tile, end)) for start, end in zip([0, *ends[:-1]], ends)
-                    for a in range(start, end, k_tile)]
-            starts, stops = np.array(cuts).T
-            tiled[k_tile] = keys[starts], keys[stops - 1], stops - starts
+            cuts = [(b[k0], b[k1 - 1], k1 - k0) for b in blocks for k0, k1 in tile_bounds(b, k_tile)]
+            tiled[k_tile] = tuple(np.array(c) for c in zip(*cuts, strict=True))
         return tiled[k_tile]
 
-    most = (0, 0)
+    pairs = []
     for rank in range(ranks):
-        q = cached_tokens + np.array(head_tail_layout(new_tokens, ranks, rank).positions())
+        q = cached_tokens + np.array(head_tail_layout(new_tokens, ranks, rank, shares).positions())
         visible, masked = cached_tokens * len(q), 0
-        for q0 in range(0, len(q), tile):
-            qt = q[q0:q0 + tile]
+        for q0, q1 in tile_bounds(q, tile):
+            qt = q[q0:q1]
             first, last, size = key_tiles(max(tile, tile * tile // (groups * len(qt))))
             computed = first <= qt.max()  # not every key in every query's future
             hidden = last > qt.min()
             visible += len(qt) * int(size[computed & ~hidden].sum())
             masked += len(qt) * int(size[computed & hidden].sum())
-        if visible + masked > sum(most):
-            most = (visible, masked)
-    return most
+        pairs.append((visible, masked))
+    return pairs
 
 
 def line_through(x0: float, y0: float, x1: float, y1: float) -> tuple[float, float]:

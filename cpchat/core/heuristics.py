@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 
 from cpchat.core.algorithms import DECODE_EXCHANGES, PREFILL_ALGORITHMS, title
 from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
-from cpchat.core.sharding import head_split
+from cpchat.core.sharding import Shares, head_split
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ class Workload:
     layers: int
     kv_format: KVFormat = FULL_PRECISION  # --kv-bits: K/V travel quantized past kv_format.start tokens
     states: bool = False  # some layers keep a recurrent state (linear attention) instead of K/V
+    shares: Shares | None = None  # each rank's share of the new tokens (cpchat.core.sharding; None: equal)
 
     def __post_init__(self) -> None:
         if self.new_tokens < 1 or self.cached_tokens < 0:

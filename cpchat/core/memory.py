@@ -1,6 +1,7 @@
 """What a prefill needs in memory on each rank, known before it runs.
 
-A rank that runs a prefill of T new tokens over N ranks holds T_r = padded(T)/N of them. Its
+A rank that runs a prefill of T new tokens over N ranks holds T_r of them (padded(T)/N for equal
+shares; cpchat.core.sharding). Its
 forward allocates, beyond what the rank held before, the new tokens' keys and values, T_r k L bytes
 (k a token's in one layer, packed with --kv-bits once the conversation passes the quantized start),
 and the activations of its block: F(T_r) = fixed + per_token · T_r, a line the rank measures when the
@@ -14,7 +15,7 @@ model loads (`ForwardMemory`: MLX's peak over two forwards, less the K/V they st
               all-gather  N T_r k                 every rank's block of the layer
               pass-Q      3 T_r Hq (D + Dv + 1) 4 queries and running outputs, in and out
               Ulysses     2 T Hq (D + 2 Dv)/N 4   the rank's heads of every token, in and out
-    answer  the K/V of the answer's tokens the rank keeps: max_tokens/N · k · L
+    answer  the K/V of the answer's tokens the rank keeps: its share of max_tokens · k · L
 
 The need is their sum; a rank fits when the need is at most the memory it reports free.
 """
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 from cpchat.core.attention import TILE
 from cpchat.core.heuristics import Workload
-from cpchat.core.sharding import padded_length
+from cpchat.core.sharding import Shares, chunk_lengths
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,9 @@ class Need:
         return self.total <= self.free_bytes
 
 
-def tokens_per_rank(new_tokens: int, ranks: int) -> int:
-    """The tokens each rank's prefill forward runs (head-tail sharding pads to 2N chunks)."""
-    return padded_length(new_tokens, ranks) // ranks
+def tokens_per_rank(new_tokens: int, ranks: int, shares: Shares | None = None) -> list[int]:
+    """The tokens each rank's prefill forward runs (head-tail sharding pads its two chunks)."""
+    return [2 * c for c in chunk_lengths(new_tokens, ranks, shares)]
 
 
 def kv_bytes_per_token(w: Workload, layers: int = 0, packed: bool | None = None) -> float:
@@ -99,10 +100,11 @@ def ring_bytes(w: Workload, algorithm: str, tokens: int) -> float:
 def prefill_needs(w: Workload, algorithm: str, forward: list[ForwardMemory], free: list[int],
                   answer_tokens: int = 0) -> list[Need]:
     """Each rank's need for this prefill (and its answer's K/V), beside what it reports free."""
-    tokens = tokens_per_rank(w.new_tokens, w.ranks)
+    shares = w.shares or (1,) * w.ranks
     packed = w.kv_format.quantized and w.cached_tokens + w.new_tokens > w.kv_format.start
-    kv = tokens * kv_bytes_per_token(w, packed=packed)
-    answer = math.ceil(answer_tokens / w.ranks) * kv_bytes_per_token(w)
-    tiles, ring = tile_bytes(w, tokens), ring_bytes(w, algorithm, tokens)
-    return [Need(r, kv, f.bytes(tokens), tiles, ring, answer, free_r)
-            for r, (f, free_r) in enumerate(zip(forward, free, strict=True))]
+    needs = []
+    for r, tokens in enumerate(tokens_per_rank(w.new_tokens, w.ranks, w.shares)):
+        answer = math.ceil(answer_tokens * shares[r] / sum(shares)) * kv_bytes_per_token(w)
+        needs.append(Need(r, tokens * kv_bytes_per_token(w, packed=packed), forward[r].bytes(tokens),
+                          tile_bytes(w, tokens), ring_bytes(w, algorithm, tokens), answer, free[r]))
+    return needs

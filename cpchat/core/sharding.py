@@ -1,32 +1,66 @@
-"""Head-tail ("zigzag") sharding of a sequence over N ranks.
+"""Head-tail ("zigzag") sharding of a sequence over N ranks, in shares.
 
-The sequence is padded at its end to a multiple of 2N and cut into 2N equal
-chunks; rank i holds chunks i and 2N-1-i. Under a causal mask, chunk c costs
-about c+1 units of work, so every rank gets (i+1) + (2N-i) = 2N+1 units.
-Padded positions (>= seq_len) are never returned as real tokens.
+Rank i holds two chunks of the same length c_i: a head chunk, counted from the start of the
+sequence in rank order, and a tail chunk, at the mirror place counted from the end. Under a causal
+mask a query at position p reads p+1 keys, so rank i's two chunks read c_i · (P+1) pairs whatever
+its place (P the padded length): attention work, like the weights' work, is proportional to the
+share. `shares` (positive integers, one a rank) set the c_i: c_i = ⌈⌈T/2⌉ · s_i / Σs⌉, so equal
+shares cut the sequence into 2N equal chunks, padded at its end to a multiple of 2N. Padded
+positions (>= seq_len) are never returned as real tokens.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+Shares = tuple[int, ...]  # one positive integer a rank, in rank order
 
-def _check(seq_len: int, num_ranks: int, rank: int | None = None) -> None:
+
+def equal_shares(num_ranks: int) -> Shares:
+    return (1,) * num_ranks
+
+
+def integer_shares(weights: Sequence[float], resolution: int = 64) -> Shares:
+    """Weights (positive numbers) as small integers in the same proportions: integers as given,
+    others to 1/`resolution` of the largest; divided by their common factor."""
+    if not weights or any(not w > 0 or not math.isfinite(w) for w in weights):
+        raise ValueError(f"shares must be positive numbers, got {list(weights)}")
+    if all(float(w).is_integer() for w in weights):
+        ints = [int(w) for w in weights]
+    else:
+        ints = [max(1, round(resolution * w / max(weights))) for w in weights]
+    common = math.gcd(*ints)
+    return tuple(i // common for i in ints)
+
+
+def _check(seq_len: int, num_ranks: int, rank: int | None = None, shares: Shares | None = None) -> Shares:
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     if rank is not None and not 0 <= rank < num_ranks:
         raise ValueError(f"rank must be in [0, {num_ranks}), got {rank}")
+    shares = shares or equal_shares(num_ranks)
+    if len(shares) != num_ranks or min(shares) < 1:
+        raise ValueError(f"{num_ranks} ranks need {num_ranks} positive shares, got {list(shares)}")
+    return shares
 
 
-def padded_length(seq_len: int, num_ranks: int) -> int:
-    """seq_len rounded up to a multiple of 2N."""
-    _check(seq_len, num_ranks)
-    step = 2 * num_ranks
-    return -(-seq_len // step) * step
+def chunk_lengths(seq_len: int, num_ranks: int, shares: Shares | None = None) -> list[int]:
+    """c_i: the length of each rank's head chunk, and of its tail chunk."""
+    shares = _check(seq_len, num_ranks, shares=shares)
+    half, total = -(-seq_len // 2), sum(shares)
+    return [-(-half * s // total) for s in shares]
+
+
+def padded_length(seq_len: int, num_ranks: int, shares: Shares | None = None) -> int:
+    """seq_len rounded up to the chunks' total: a multiple of 2N for equal shares."""
+    return 2 * sum(chunk_lengths(seq_len, num_ranks, shares))
 
 
 @dataclass(frozen=True)
@@ -49,32 +83,60 @@ class RowLayout:
         return [p < self.seq_len for p in self.positions()]
 
 
-def head_tail_layout(seq_len: int, num_ranks: int, rank: int) -> RowLayout:
-    _check(seq_len, num_ranks, rank)
-    chunk = padded_length(seq_len, num_ranks) // (2 * num_ranks)
-    head, tail = rank, 2 * num_ranks - 1 - rank
-    return RowLayout(starts=(head * chunk, tail * chunk), chunk=chunk, seq_len=seq_len)
+def head_tail_layout(seq_len: int, num_ranks: int, rank: int, shares: Shares | None = None) -> RowLayout:
+    _check(seq_len, num_ranks, rank, shares)
+    lengths = chunk_lengths(seq_len, num_ranks, shares)
+    head = sum(lengths[:rank])
+    tail = 2 * sum(lengths) - head - lengths[rank]
+    return RowLayout(starts=(head, tail), chunk=lengths[rank], seq_len=seq_len)
 
 
-def head_tail_positions(seq_len: int, num_ranks: int, rank: int) -> list[int]:
+def head_tail_positions(seq_len: int, num_ranks: int, rank: int, shares: Shares | None = None) -> list[int]:
     """Global positions of the real tokens that `rank` holds, ascending."""
-    layout = head_tail_layout(seq_len, num_ranks, rank)
+    layout = head_tail_layout(seq_len, num_ranks, rank, shares)
     return [p for p in layout.positions() if p < seq_len]
 
 
-def owner_of(position: int, seq_len: int, num_ranks: int) -> int:
+def owner_of(position: int, seq_len: int, num_ranks: int, shares: Shares | None = None) -> int:
     """The rank that holds `position` under head-tail sharding."""
-    _check(seq_len, num_ranks)
+    _check(seq_len, num_ranks, shares=shares)
     if not 0 <= position < seq_len:
         raise ValueError(f"position {position} outside [0, {seq_len})")
-    return int(owners(np.array([position]), seq_len, num_ranks)[0])
+    return int(owners(np.array([position]), seq_len, num_ranks, shares)[0])
 
 
-def owners(positions: np.ndarray, seq_len: int, num_ranks: int) -> np.ndarray:
+def owners(positions: np.ndarray, seq_len: int, num_ranks: int, shares: Shares | None = None) -> np.ndarray:
     """The rank that holds each of `positions` (in [0, seq_len)) under head-tail sharding."""
-    _check(seq_len, num_ranks)
-    chunk_index = positions // (padded_length(seq_len, num_ranks) // (2 * num_ranks))
-    return np.minimum(chunk_index, 2 * num_ranks - 1 - chunk_index)
+    lengths = chunk_lengths(seq_len, num_ranks, shares)
+    padded = 2 * sum(lengths)
+    from_edge = np.minimum(positions, padded - 1 - positions)  # a tail position mirrors a head one
+    return np.searchsorted(np.cumsum(lengths), from_edge, side="right")
+
+
+def rank_tokens(seq_len: int, num_ranks: int, shares: Shares | None = None) -> list[int]:
+    """The real tokens each rank holds (padding left out)."""
+    return np.bincount(owners(np.arange(seq_len), seq_len, num_ranks, shares), minlength=num_ranks).tolist()
+
+
+def decode_owner(position: int, num_ranks: int, shares: Shares | None = None) -> int:
+    """The rank that keeps a decoded token's K/V: round robin, each rank as often as its share
+    (rank p % N for equal shares)."""
+    order = _round_robin(_check(1, num_ranks, shares=shares))
+    return order[position % len(order)]
+
+
+@functools.lru_cache(maxsize=64)
+def _round_robin(shares: Shares) -> tuple[int, ...]:
+    """One cycle of smooth weighted round robin: rank i comes up s_i times in Σs, spread out."""
+    common = math.gcd(*shares)
+    shares = tuple(s // common for s in shares)
+    total, current, order = sum(shares), [0] * len(shares), []
+    for _ in range(total):
+        current = [c + s for c, s in zip(current, shares, strict=True)]
+        chosen = current.index(max(current))
+        current[chosen] -= total
+        order.append(chosen)
+    return tuple(order)
 
 
 @dataclass(frozen=True)
@@ -91,14 +153,16 @@ class HeadShare:
         return isinstance(self.kv_index, range)
 
 
-def head_split(q_heads: int, kv_heads: int, num_ranks: int) -> list[HeadShare]:
-    """Query heads cut into contiguous shares as even as `num_ranks` allows (sizes differ by at most
-    one; empty when there are more ranks than heads). A query group whose heads fall on two ranks
-    has its key head on both, as plain multi-head attention there: more bytes, never a wrong answer."""
+def head_split(q_heads: int, kv_heads: int, num_ranks: int, shares: Shares | None = None) -> list[HeadShare]:
+    """Query heads cut into contiguous runs in proportion to `shares`, as near as whole heads allow
+    (equal shares: sizes differ by at most one; empty when there are more ranks than heads). A query
+    group whose heads fall on two ranks has its key head on both, as plain multi-head attention
+    there: more bytes, never a wrong answer."""
     if num_ranks < 1 or kv_heads < 1 or q_heads % kv_heads:
         raise ValueError(f"cannot share {q_heads} query heads ({kv_heads} key heads) among {num_ranks} ranks")
-    group = q_heads // kv_heads
-    bounds = [q_heads * i // num_ranks for i in range(num_ranks + 1)]
+    shares = _check(1, num_ranks, shares=shares)
+    group, cumulative = q_heads // kv_heads, np.cumsum([0, *shares]).tolist()
+    bounds = [q_heads * c // cumulative[-1] for c in cumulative]
     shares = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         whole = lo % group == 0 and hi % group == 0

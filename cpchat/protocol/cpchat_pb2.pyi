@@ -167,7 +167,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens", "decode", "save_prefix", "keep_state_at")
+    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens", "decode", "save_prefix", "keep_state_at", "shares")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,7 @@ class GenerateRequest(_message.Message):
     DECODE_FIELD_NUMBER: _ClassVar[int]
     SAVE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     KEEP_STATE_AT_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     keep_tokens: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -188,7 +189,8 @@ class GenerateRequest(_message.Message):
     decode: Decode
     save_prefix: bool
     keep_state_at: int
-    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[Decode, str]] = ..., save_prefix: _Optional[bool] = ..., keep_state_at: _Optional[int] = ...) -> None: ...
+    shares: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[Decode, str]] = ..., save_prefix: _Optional[bool] = ..., keep_state_at: _Optional[int] = ..., shares: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("prefill", "token", "done", "progress")

@@ -25,6 +25,7 @@ import numpy as np
 from cpchat.core.algorithms import BY_NAME
 from cpchat.core.attention import add_sink, fused_attention, partial_attention
 from cpchat.core.quantized_kv import KV, Packed, arrays_of, full_precision
+from cpchat.core.sharding import Shares
 from cpchat.rank.algorithms import attend_function
 from cpchat.rank.fit import AttentionCall, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
@@ -79,6 +80,8 @@ class RingPass:
     states: StateStore | None = None  # their states and halos (every rank holds them all)
     start: int = 0  # global position of the first new token
     seq_len: int = 0  # new tokens in this forward (all ranks' together, in prefill)
+    shares: Shares | None = None  # each rank's share of them (cpchat.core.sharding; None: equal)
+    keeper: int = 0  # decode: the rank that keeps the new token's K/V
     timings: list[StepTiming] = field(default_factory=list)
     calls: list[AttentionCall] = field(default_factory=list)  # what each layer asked of attention
     layer_calls: dict[int, LayerCall] = field(default_factory=dict)  # the same, as the algorithms take it
@@ -89,10 +92,6 @@ class RingPass:
     def decoding(self) -> bool:
         """Every rank runs the same one token (decode), rather than its own rows of the prompt."""
         return BY_NAME[self.algorithm].stage == "decode"
-
-    @property
-    def chunk(self) -> int:
-        return len(self.q_positions) // 2  # prefill: two rows, a head and a tail chunk
 
     # ---- the two hooks the model calls
 

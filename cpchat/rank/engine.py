@@ -28,7 +28,7 @@ from cpchat.core.attention import partial_attention
 from cpchat.core.estimate import PrefillCost, line_through
 from cpchat.core.memory import ForwardMemory
 from cpchat.core.quantized_kv import BITS, FULL_PRECISION, GROUP_SIZES, KVFormat, quantized_from
-from cpchat.core.sharding import head_tail_layout, owner_of, owners
+from cpchat.core.sharding import Shares, decode_owner, head_tail_layout, owner_of, owners
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import context_parallel, fit, latent_attention, linear_layers
 from cpchat.rank.algorithms import DECODE, PREFILL, decode
@@ -260,6 +260,11 @@ def _run_model(model, ring_pass: RingPass, ids: mx.array, row: int, evaluate: bo
     return logits[0, 0]
 
 
+def _shares(req: pb.GenerateRequest) -> Shares | None:
+    """The request's shares of the new tokens (None: equal)."""
+    return tuple(req.shares) or None
+
+
 def sample(logits: mx.array, sampling: pb.Sampling, index: int) -> tuple[mx.array, mx.array]:
     """The next token and its log-probability under the untempered distribution, as arrays of one
     element (a graph, until evaluated)."""
@@ -300,7 +305,7 @@ class Engine:
         self.cache: PrefixStore | None = None
         self.model_name = ""
         self.tokens = np.zeros(0, np.uint32)
-        self.segments: list[tuple[int, int]] = []
+        self.segments: list[tuple[int, ...]] = []  # (start, length[, shares...]) of each prefill
         self.origin: Entry | None = None
         # The last token sampled and not yet read (the ring's next position): mlx-lm reads it alone.
         self.unread: tuple[int, int] | None = None
@@ -385,8 +390,8 @@ class Engine:
         self, req: pb.GenerateRequest, tokens: list[int], ring: Ring, abort: threading.Event, on_layer,
         request_id: str = "",
     ) -> mx.array | None:
-        n, start = ring.size, self.total_tokens
-        layout = head_tail_layout(len(tokens), n, ring.rank)
+        n, start, shares = ring.size, self.total_tokens, _shares(req)
+        layout = head_tail_layout(len(tokens), n, ring.rank, shares)
         local = layout.positions()
         real = np.array(layout.real_mask())
         ids = mx.array([tokens[p] if p < len(tokens) else 0 for p in local]).reshape(2, layout.chunk)
@@ -408,13 +413,14 @@ class Engine:
             states=self.states,
             start=start,
             seq_len=len(tokens),
+            shares=shares,
         )
-        mine = owner_of(len(tokens) - 1, len(tokens), n) == ring.rank
+        mine = owner_of(len(tokens) - 1, len(tokens), n, shares) == ring.rank
         logits = _run_model(self.model, ring_pass, ids, row=local.index(len(tokens) - 1) if mine else 0)
         self._record(ring_pass)
         self.total_tokens = start + len(tokens)
         self.tokens = np.concatenate([self.tokens, np.array(tokens, np.uint32)])
-        self.segments.append((start, len(tokens)))
+        self.segments.append((start, len(tokens), *(shares or ())))  # unequal shares hold other positions
         return logits if mine else None
 
     def _decode(
@@ -424,7 +430,8 @@ class Engine:
         """One token's step; `token` may be a graph still being evaluated (a pipelined step, which
         is left a graph too)."""
         position = self.total_tokens
-        store = position % ring.size == ring.rank
+        keeper = decode_owner(position, ring.size, _shares(req))
+        store = keeper == ring.rank
         if store:
             self.kv.begin_append(np.array([position]))
         ring_pass = RingPass(
@@ -442,6 +449,7 @@ class Engine:
             states=self.states,
             start=position,
             seq_len=1,
+            keeper=keeper,
         )
         if ring_pass.algorithm == "lead" and ring.rank != 0:
             decode.follow(ring_pass, [self.layer_calls[i] for i in sorted(self.layer_calls)])
@@ -510,7 +518,7 @@ class Engine:
 
     # ---- the generation loop
 
-    def validate(self, req: pb.GenerateRequest) -> None:
+    def validate(self, req: pb.GenerateRequest, ranks: int) -> None:
         if self.model is None:
             raise BadRequest("no model is loaded")
         if not req.tokens:
@@ -522,6 +530,8 @@ class Engine:
         if DECODE[req.decode].name == "lead" and self.info.linear:
             raise BadRequest(f"{self.info.model_type}'s linear layers keep a state that every rank advances "
                              "with every token: a lead decode step, run by rank 0 alone, cannot serve it")
+        if req.shares and (len(req.shares) != ranks or min(req.shares) < 1):
+            raise BadRequest(f"{ranks} ranks need {ranks} positive shares, got {list(req.shares)}")
         bad = [t for t in req.tokens if t >= self.info.vocab_size]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
@@ -542,7 +552,7 @@ class Engine:
         """Prefill req.tokens after keep_tokens, then decode; every rank runs this
         together. On abort or failure the shard rolls back to keep_tokens. Sliding-window
         layers keep only the keys that queries from the end of the prompt on can see."""
-        self.validate(req)
+        self.validate(req, ring.size)
         self.reset(req.keep_tokens)
         mx.reset_peak_memory()
         start = self.total_tokens
@@ -591,7 +601,7 @@ class Engine:
             if self.slides:
                 self.keep_floor = start  # a roll back still needs the window before `start`
                 self._forget_outside_windows(prompt_end, rollback_to=start)
-            source = owner_of(len(tokens) - 1, len(tokens), ring.size)
+            source = owner_of(len(tokens) - 1, len(tokens), ring.size, _shares(req))
             token, logprob = self._agree(req, ring, abort, source, 0, logits)
             combine_ms = sum(t.wait_ms + t.compute_ms for t in self.last_timings  # what the ring added
                              if t.layer in self.info.linear and t.step != linear_layers.RUN_STEP)

@@ -38,7 +38,7 @@ import numpy as np
 
 from cpchat.core.gated_delta import chunked_gated_delta
 from cpchat.core.recurrence import add_start_state, fold, stacked_start
-from cpchat.core.sharding import head_tail_layout
+from cpchat.core.sharding import Shares, head_tail_layout
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.fit import UnsupportedModel, mix_in
 from cpchat.rank.transport.wire import BlockKey, block_nbytes
@@ -260,16 +260,17 @@ class HaloPlan:
 
 
 @functools.lru_cache(maxsize=16)
-def halo_plan(start: int, n: int, size: int, me: int, halo: int) -> HaloPlan:
+def halo_plan(start: int, n: int, size: int, me: int, halo: int, shares: Shares | None = None) -> HaloPlan:
     """The exchange for a prompt of `n` tokens from `start` over `size` ranks: each rank needs the inputs
     at the `halo` positions before each of its rows, and at the last `halo` of the prompt."""
 
     def needs(rank: int) -> set[int]:
-        firsts = [*head_tail_layout(n, size, rank).starts, n]
+        firsts = [*head_tail_layout(n, size, rank, shares).starts, n]
         return {start + p for s in firsts for p in range(max(s - halo, 0), min(s, n))}
 
     def held(rank: int) -> dict[int, int]:
-        return {start + p: i for i, p in enumerate(head_tail_layout(n, size, rank).positions()) if p < n}
+        positions = head_tail_layout(n, size, rank, shares).positions()
+        return {start + p: i for i, p in enumerate(positions) if p < n}
 
     mine, wanted = held(me), needs(me)
     peers = [r for r in range(size) if r != me]
@@ -282,7 +283,7 @@ def halo_plan(start: int, n: int, size: int, me: int, halo: int) -> HaloPlan:
 def _gather_halo(rp: RingPass, layer: int, flat: mx.array, halo: int, timing) -> dict[int, mx.array]:
     """The inputs at every prompt position this rank's halos need, from itself and from the ranks that
     hold them."""
-    plan = halo_plan(rp.start, rp.seq_len, rp.ring.size, rp.ring.rank, halo)
+    plan = halo_plan(rp.start, rp.seq_len, rp.ring.size, rp.ring.rank, halo, rp.shares)
     key = BlockKey(rp.request_id, layer, 0, pb.HALO)
     for rank, rows in plan.sends:
         block = [flat[mx.array(rows)]]
@@ -316,7 +317,7 @@ def run_recurrence(rp: RingPass, layer: int, name: str, original, spec: Recurren
     t0 = time.perf_counter()
     length = total - halo
     real = rp.real.reshape(rows, length).sum(axis=1).tolist()
-    chunks = [_chunk_index(rp, int(p)) for p in rp.q_positions.reshape(rows, length)[:, 0]]
+    chunks = [rp.ring.rank, 2 * rp.ring.size - 1 - rp.ring.rank]  # the head chunk, then the tail
     runs = {}  # chunk -> (y0, r, P, Q), for rows that hold prompt tokens
     for row, (chunk, n) in enumerate(zip(chunks, real)):
         if n:
@@ -368,10 +369,6 @@ def chunk_transform(run, spec: Recurrence, args: dict, first: bool):
     stacked = mx.concatenate([value, mx.zeros((*value.shape[:-1], dk), value.dtype)], axis=-1)
     y, s = run(**{**args, spec.value: stacked, spec.state: stacked_start(value.shape[2], dv, dk)})
     return y[..., :dv], y[..., dv:], s[..., dv:, :], s[..., :dv, :]
-
-
-def _chunk_index(rp: RingPass, row_start: int) -> int:
-    return (row_start - rp.start) // rp.chunk
 
 
 def _all_gather_transforms(rp: RingPass, layer: int, mine: dict, timing) -> dict:

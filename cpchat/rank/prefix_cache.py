@@ -39,11 +39,12 @@ class CacheMiss(Exception):
 
 @dataclass(frozen=True)
 class Layout:
-    """Which global positions each rank of a ring holds: prefills (start, length) are sharded head-tail
-    (cpchat.core.sharding), and each position outside them (a decoded token) is held by rank p % N."""
+    """Which global positions each rank of a ring holds: prefills (start, length[, shares...]) are
+    sharded head-tail in those shares (cpchat.core.sharding; equal if none), and each position outside
+    them (a decoded token) by the decode round robin."""
 
     num_ranks: int
-    segments: tuple[tuple[int, int], ...]
+    segments: tuple[tuple[int, ...], ...]
 
     def cut(self, tokens: int) -> Layout:
         return Layout(self.num_ranks, tuple(s for s in self.segments if s[0] < tokens))

@@ -408,7 +408,8 @@ class ControlServicer(pb_grpc.ControlServicer):
         try:
             if len(request.request_id) > MAX_ID - 2:  # earlier passes send frames as ID#0, ID#1
                 raise BadRequest(f"request_id longer than {MAX_ID - 2} characters")
-            self.s.engine.validate(request)  # a malformed request never takes the rank
+            ranks = self.s.ring.size if self.s.ring else 1
+            self.s.engine.validate(request, ranks)  # a malformed request never takes the rank
             abort = self.s.begin(request.request_id)
         except BadRequest as e:
             context.abort(status_of(e), str(e))

@@ -24,6 +24,7 @@ class RankInfo:
     blas: str = ""
     slow_blas: bool = False
     threads: int = 0
+    speed: float = 0.0  # tokens a second its forward runs, as it measured when the model loaded
 
 
 class BackendReady(Message):

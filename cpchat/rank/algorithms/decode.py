@@ -56,7 +56,7 @@ def lead(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.a
     n, layer = rp.ring.size, call.layer
     timing = rp.step_timing(layer, 0)
     if n > 1:
-        keeper, new = rp.start % n, rp.unkept.get(layer, ())
+        keeper, new = rp.keeper, rp.unkept.get(layer, ())
         mx.eval(q, *new)
         for r in rp.ring.peers:
             rp.send(timing, rp.key(layer, 0, pb.QUERY), [q, *new] if r == keeper else [q], to=[r])

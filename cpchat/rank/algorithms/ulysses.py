@@ -2,8 +2,9 @@
 
 Each rank attends its share of the query heads over the whole sequence (cached keys included) in
 one pass, and a second all-to-all brings each output home: no merge, the heads are disjoint. Query
-heads are split as evenly as N allows (cpchat.core.sharding.head_split); a key head whose query
-heads fall on two ranks goes to both. With more ranks than query heads, some ranks get none."""
+heads are split in the ranks' shares, as near as whole heads allow (cpchat.core.sharding.head_split),
+so a slower rank attends fewer heads as it runs fewer tokens through the weights; a key head whose
+query heads fall on two ranks goes to both. With more ranks than query heads, some ranks get none."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from cpchat.rank.context_parallel import LayerCall, Partial, RingPass, kv_block
 def attend(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.array | None,
            k_pos: np.ndarray) -> Partial:
     n, me, layer = rp.ring.size, rp.ring.rank, call.layer
-    shares = head_split(q.shape[1], call.kv_heads, n)
+    shares = head_split(q.shape[1], call.kv_heads, n, rp.shares)
     timing = rp.step_timing(layer, 0)
     q_pos = mx.array(rp.q_positions)
 

@@ -1,5 +1,6 @@
 """One rank in the Ranks panel: state, KV held (a bar against the largest), the recurrent state of
-linear-attention layers (models that have them), memory and BLAS."""
+linear-attention layers (models that have them), its speed and share of the last prefill, memory and
+BLAS."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class RankRow(Widget):
 
     stats: reactive[RankStats] = reactive(RankStats(0, "", "starting"))
     largest_kv: reactive[int] = reactive(0)
+    speed: reactive[float] = reactive(0.0)  # tokens/s of its forward, measured at load (0: unknown)
+    share: reactive[float | None] = reactive(None)  # its part of the last prefill's new tokens
 
     def __init__(self, stats: RankStats) -> None:
         super().__init__(classes="rank-row")
@@ -46,6 +49,10 @@ class RankRow(Widget):
         text.append_text(Text.assemble("KV ", (bar(fraction, BAR_WIDTH), "magenta"), kv))
         if s.state_bytes:  # linear-attention layers: one recurrent state, the same on every rank
             text.append(f"state {human_bytes(s.state_bytes)}\n", "cyan")
+        if self.speed or self.share is not None:
+            speed = f"{human_count(round(self.speed))} tok/s" if self.speed else ""
+            share = f"share {self.share:.0%}" if self.share is not None else ""
+            text.append(" · ".join(p for p in (share, speed) if p) + "\n", "green")
         if s.state == "failed" and s.error:
             text.append(s.error, "red")
         else:

@@ -1,4 +1,5 @@
-"""The Ranks panel: one row per rank, in ring order, scaled against the rank holding the most KV."""
+"""The Ranks panel: one row per rank, in ring order, scaled against the rank holding the most KV,
+with each rank's measured speed and its share of the last prefill."""
 
 from __future__ import annotations
 
@@ -16,9 +17,23 @@ class RanksPanel(VerticalGroup):
 
     largest: reactive[tuple[int, int, int]] = reactive((0, 0, 0))  # ranks, the most KV tokens and bytes
     kv_bits: reactive[int] = reactive(0)  # K/V quantized to this many bits (--kv-bits), 0: not
+    speeds: reactive[tuple[float, ...]] = reactive(())  # tokens/s each rank measured at load
+    shares: reactive[tuple[int, ...]] = reactive(())  # the new tokens each rank took in the last prefill
 
     def watch_kv_bits(self, bits: int) -> None:
         self.border_subtitle = f"K/V {bits}-bit" if bits else ""
+
+    def watch_speeds(self) -> None:
+        self._share_out()
+
+    def watch_shares(self) -> None:
+        self._share_out()
+
+    def _share_out(self) -> None:
+        total = sum(self.shares)
+        for rank, row in self.rows.items():
+            row.speed = self.speeds[rank] if rank < len(self.speeds) else 0.0
+            row.share = self.shares[rank] / total if total and rank < len(self.shares) else None
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -30,6 +45,8 @@ class RanksPanel(VerticalGroup):
         await self.remove_children()
         self.rows = {s.rank: RankRow(s) for s in ranks}
         await self.mount_all(self.rows.values())
+        self.shares = ()
+        self._share_out()
         self._rescale()
 
     def update_stats(self, stats: RankStats) -> None:

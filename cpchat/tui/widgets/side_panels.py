@@ -31,6 +31,7 @@ class SidePanels(VerticalScroll):
         await self.ranks.set_ranks([RankStats(r.rank, r.address, "ready", blas=r.blas, slow_blas=r.slow_blas,
                                               threads=r.threads)
                                     for r in message.ranks])
+        self.ranks.speeds = tuple(r.speed for r in message.ranks)
         self.throughput.context_max = message.model.max_context
         self.ranks.kv_bits = message.model.kv_format.bits
         self.ring.transport = message.transport
@@ -48,6 +49,7 @@ class SidePanels(VerticalScroll):
             self.ring.choice = message.choice
         self.ring.linear = message.prefill.linear_layers
         self.ring.cache = cache_words(message.prefill)
+        self.ranks.shares = tuple(message.prefill.shares)
         self.throughput.prefill = message.prefill
 
     def clear(self) -> None:
