@@ -126,6 +126,35 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def cpu_allowance() -> float:
+    """Cores' worth of CPU time this process may use: its cores, capped by its cgroup's CPU quota
+    (v2 cpu.max; v1 cpu.cfs_quota_us over cpu.cfs_period_us)."""
+    cores = float(usable_cores())
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return cores
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        if controllers == "":
+            limit = _read_words(Path(f"/sys/fs/cgroup{group}/cpu.max"))
+        elif "cpu" in controllers.split(","):
+            root = Path("/sys/fs/cgroup") / controllers / group.lstrip("/")
+            limit = _read_words(root / "cpu.cfs_quota_us") + _read_words(root / "cpu.cfs_period_us")
+        else:
+            continue
+        if len(limit) == 2 and limit[0].isdigit() and int(limit[1]) > 0:  # "max" or -1: no quota
+            cores = min(cores, int(limit[0]) / int(limit[1]))
+    return cores
+
+
+def _read_words(path: Path) -> list[str]:
+    try:
+        return path.read_text().split()
+    except OSError:
+        return []
+
+
 def shared_threads(sharing: int, cores: int | None = None) -> int:
     """BLAS threads for each of `sharing` processes that share this machine's cores: at least one."""
     return max(1, (usable_cores() if cores is None else cores) // max(1, sharing))

@@ -121,6 +121,30 @@ def test_a_prompt_no_rank_can_hold_is_refused_before_any_rank_allocates(limited,
     assert len(got) == 4
 
 
+@pytest.fixture(scope="module")
+def uneven(model_dir, tmp_path_factory):
+    """Two ranks, one with three times the other's memory, the llama test model loaded."""
+    ranks = start_ranks(RANKS, tmp_path_factory.mktemp("uneven"),
+                        args=[["--memory-limit", "400M"], ["--memory-limit", "1200M"]])
+    with loaded_ring(ranks, model_dir("llama")) as cluster:
+        yield cluster
+
+
+def test_auto_shares_give_the_rank_with_room_the_tokens_the_other_cannot_hold(uneven, model_dir):
+    """A prompt rank 0 cannot hold its equal share of: refused under equal shares with the shares that
+    would hold it named; under auto those shares, rank 1 taking the most (not run: too long here)."""
+    path = model_dir("llama")
+    equal = raw_session(uneven, path, "pass_kv", max_tokens=4, shares="equal")
+    tokens = too_long(uneven, equal)
+    refused = equal.memory_shortfall(tokens, 0, "pass_kv", 4)
+    assert refused.need.rank == 0 and refused.roomy is not None and refused.roomy[1] > 2 * refused.roomy[0]
+    assert f"--shares {refused.roomy[0]},{refused.roomy[1]} would hold it" in str(refused)
+    auto = raw_session(uneven, path, "pass_kv", max_tokens=4)
+    assert auto.prefill_shares(tokens, 0, "pass_kv", 4) == refused.roomy
+    roomy = replace(auto.workload(tokens, 0), shares=refused.roomy)
+    assert shortfall(roomy, "pass_kv", uneven.forward_memory, uneven.free_memory(), 4, ["r", "r"]) is None
+
+
 def test_headless_refuses_with_one_line_and_exit_2(model_dir, tmp_path):
     prompt = tmp_path / "long.txt"
     prompt.write_text("word " * 20_000)  # 60,001 tokens: inside the context

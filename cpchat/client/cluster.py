@@ -90,6 +90,7 @@ class RankHandle:
     state: str = "starting"
     blas: pb.Blas = field(default_factory=pb.Blas)  # from Health, at connect
     cpu_cores: int = 0  # from Health: the cores it may run on
+    cpu_allowance: float = 0.0  # from Health (again at each calibration): cores' worth of CPU time
     computes_on_cpu: bool = False  # from Health: no accelerator
     data_plane_backends: tuple[str, ...] = ()  # from Health: mx.distributed backends, fastest first
     data_plane_port: int = 0  # from Health
@@ -287,6 +288,7 @@ class Cluster:
                 # Waiting hides why the connection failed; one plain call reports it.
                 reply = r.control.Health(request, timeout=2.0, metadata=self.metadata)
             r.blas, r.cpu_cores, r.computes_on_cpu = reply.blas, reply.cpu_cores, reply.computes_on_cpu
+            r.cpu_allowance = reply.cpu_allowance
             r.data_plane_backends, r.data_plane_port = tuple(reply.data_plane_backends), reply.data_plane_port
             return reply.shm_endpoint
 
@@ -425,6 +427,8 @@ class Cluster:
                                         max(c.prefill_per_masked_pair_s for c in results))
         self.forward_memory = [ForwardMemory(c.forward_fixed_bytes, c.forward_per_token_bytes)
                                for c in results]
+        for r, reply in zip(self.ranks, self._health(), strict=True):
+            r.cpu_allowance = reply.cpu_allowance
 
     def speeds(self) -> list[float]:
         """Tokens a second each rank's forward runs, as it measured (0 where it did not)."""
@@ -434,9 +438,18 @@ class Cluster:
 
     def free_memory(self) -> list[int]:
         """The bytes each rank may still allocate, as it reports them now."""
-        replies = self._each(lambda r: r.control.Health(pb.HealthRequest(), timeout=HEALTH_DEADLINE_S,
-                                                        metadata=self.metadata))
-        return [reply.memory_free_bytes for reply in replies]
+        return [reply.memory_free_bytes for reply in self._health()]
+
+    def _health(self) -> list[pb.HealthReply]:
+        return self._each(lambda r: r.control.Health(pb.HealthRequest(), timeout=HEALTH_DEADLINE_S,
+                                                     metadata=self.metadata))
+
+    @property
+    def equally_fast(self) -> bool:
+        """Whether the ranks share one machine's CPU cores with the same allowance of them: then their
+        speeds are the same, whatever calibrations made while they shared the cores say."""
+        allowances = [r.cpu_allowance for r in self.ranks]
+        return self.one_machine and max(allowances) <= 1.05 * min(allowances)
 
     @property
     def hop_latency_s(self) -> float:

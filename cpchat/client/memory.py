@@ -9,7 +9,7 @@ from dataclasses import replace
 from cpchat.core.heuristics import Workload
 from cpchat.core.memory import ForwardMemory, Need, kv_bytes_per_token, prefill_needs
 from cpchat.core.quantized_kv import KVFormat
-from cpchat.core.sharding import integer_shares
+from cpchat.core.sharding import Shares, integer_shares
 from cpchat.errors import BadInput
 from cpchat.format import human_bytes
 
@@ -19,8 +19,9 @@ MAX_RANKS_SUGGESTED = 64
 class MemoryShortfall(BadInput):
     """Some rank cannot hold the prefill: refused before any rank allocates."""
 
-    def __init__(self, need: Need, label: str, suggestions: list[str]) -> None:
+    def __init__(self, need: Need, label: str, suggestions: list[str], roomy: Shares | None = None) -> None:
         self.need, self.label, self.suggestions = need, label, suggestions
+        self.roomy = roomy  # shares in proportion to the ranks' free memory, where those would hold it
         hint = ": " + "; ".join(suggestions) if suggestions else ""
         super().__init__(f"{label} needs {human_bytes(need.total)} for this prompt but has "
                          f"{human_bytes(need.free_bytes)} free{hint}")
@@ -50,10 +51,13 @@ def shortfall(w: Workload, algorithm: str, forward: list[ForwardMemory], free: l
         freed = w.cached_tokens / w.ranks * (kv_bytes_per_token(w) - kv_bytes_per_token(quantized))
         if fits(quantized, freed):
             suggestions.append("--kv-bits 4 would hold it")
+    roomy = None
     if w.ranks > 1:  # the same ranks, each given a share in proportion to its free memory
         roomy = integer_shares([max(f, 1) for f in free], resolution=16)
         needs = prefill_needs(replace(w, shares=roomy), algorithm, forward, free, answer_tokens)
-        if roomy != w.shares and all(x.fits for x in needs):
+        if roomy == w.shares or not all(x.fits for x in needs):
+            roomy = None
+        else:
             suggestions.append(f"--shares {','.join(map(str, roomy))} would hold it")
 
     def fits_now(tokens: int) -> bool:
@@ -66,4 +70,4 @@ def shortfall(w: Workload, algorithm: str, forward: list[ForwardMemory], free: l
         low, high = (mid, high) if fits_now(mid) else (low, mid - 1)
     if low:
         suggestions.append(f"a prompt of up to {low:,} new tokens fits")
-    return MemoryShortfall(short, labels[short.rank], suggestions)
+    return MemoryShortfall(short, labels[short.rank], suggestions, roomy)

@@ -206,7 +206,7 @@ class Session:
         c = self.cluster
         if isinstance(self.shares, tuple):
             return self.shares
-        if self.shares == "equal" or not c.rank_costs or not all(x.per_token_s for x in c.rank_costs):
+        if self.shares == "equal" or c.equally_fast or not all(x.per_token_s for x in c.rank_costs):
             return None
         return balanced_shares(c.rank_costs, new_tokens, cached_tokens, c.model.groups)
 
@@ -220,12 +220,28 @@ class Session:
         return shortfall(self.workload(new_tokens, cached_tokens), algorithm, c.forward_memory,
                          c.free_memory(), answer_tokens, [r.label for r in c.ranks])
 
+    def prefill_shares(self, new_tokens: int, cached_tokens: int, algorithm: str, answer_tokens: int
+                       ) -> Shares | None:
+        """The shares a prefill runs in: shares_for's, or under auto, where some rank cannot hold its
+        share, shares in proportion to the ranks' free memory if those hold it. Raises MemoryShortfall
+        when neither does. Blocks on the ranks: not for the event loop."""
+        refused = self.memory_shortfall(new_tokens, cached_tokens, algorithm, answer_tokens)
+        if refused is None:
+            return self.shares_for(new_tokens, cached_tokens)
+        if self.shares == "auto" and refused.roomy is not None:
+            return refused.roomy
+        raise refused
+
     def turn_shortfall(self, turn: Turn) -> MemoryShortfall | None:
         """The memory check `run` makes, for a turn before it is sent (the TUI asks first)."""
         keep = self._kept(turn.tokens)
         new = len(turn.tokens) - keep
-        return self.memory_shortfall(new, keep, self.choose_algorithm(new, keep).algorithm,
-                                     self.sampling.max_tokens)
+        try:
+            algorithm = self.choose_algorithm(new, keep).algorithm
+            self.prefill_shares(new, keep, algorithm, self.sampling.max_tokens)
+        except MemoryShortfall as refused:
+            return refused
+        return None
 
     def choose_algorithm(self, new_tokens: int, cached_tokens: int) -> AlgorithmChoice:
         """The session's algorithm, or under auto the one the cost model expects to be fastest."""
@@ -361,12 +377,10 @@ class Session:
         new = full[keep:]
         choice = self.choose_algorithm(len(new), keep)
         answer_tokens = self.sampling.max_tokens if max_tokens is None else max_tokens
-        if refused := self.memory_shortfall(len(new), keep, choice.algorithm, answer_tokens):
-            raise refused
+        shares = self.prefill_shares(len(new), keep, choice.algorithm, answer_tokens)
         self.last_choice = choice
         seed = self.sampling.seed if self.sampling.seed is not None else random.getrandbits(32)
         linear = self.cluster.model.state_layers  # their states cannot be cut back: keep one at documents_end
-        shares = self.shares_for(len(new), keep)
         request = GenerationRequest(
             tokens=new, keep_tokens=keep,
             max_tokens=answer_tokens,

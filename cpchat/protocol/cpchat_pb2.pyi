@@ -379,7 +379,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("state", "rank", "pid", "blas", "shm_endpoint", "cpu_cores", "computes_on_cpu", "data_plane_backends", "data_plane_port", "memory_free_bytes")
+    __slots__ = ("state", "rank", "pid", "blas", "shm_endpoint", "cpu_cores", "computes_on_cpu", "data_plane_backends", "data_plane_port", "memory_free_bytes", "cpu_allowance")
     STATE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +390,7 @@ class HealthReply(_message.Message):
     DATA_PLANE_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_PORT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CPU_ALLOWANCE_FIELD_NUMBER: _ClassVar[int]
     state: str
     rank: int
     pid: int
@@ -400,7 +401,8 @@ class HealthReply(_message.Message):
     data_plane_backends: _containers.RepeatedScalarFieldContainer[str]
     data_plane_port: int
     memory_free_bytes: int
-    def __init__(self, state: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., blas: _Optional[_Union[Blas, _Mapping]] = ..., shm_endpoint: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., computes_on_cpu: _Optional[bool] = ..., data_plane_backends: _Optional[_Iterable[str]] = ..., data_plane_port: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ...) -> None: ...
+    cpu_allowance: float
+    def __init__(self, state: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., blas: _Optional[_Union[Blas, _Mapping]] = ..., shm_endpoint: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., computes_on_cpu: _Optional[bool] = ..., data_plane_backends: _Optional[_Iterable[str]] = ..., data_plane_port: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., cpu_allowance: _Optional[float] = ...) -> None: ...
 
 class Blas(_message.Message):
     __slots__ = ("name", "version", "library", "fix", "threads")

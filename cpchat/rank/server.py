@@ -506,7 +506,8 @@ class ControlServicer(pb_grpc.ControlServicer):
                               computes_on_cpu=self.s.computes_on_cpu,
                               data_plane_backends=available_backends(),
                               data_plane_port=self.s.data_plane_port,
-                              memory_free_bytes=free_bytes(self.s.memory_limit))
+                              memory_free_bytes=free_bytes(self.s.memory_limit),
+                              cpu_allowance=blas.cpu_allowance())
 
     def Heartbeat(self, request, context):
         interval = min(max(request.interval_s, 0.05), 5.0)
