@@ -1,11 +1,11 @@
 """What a prefill needs in memory on each rank, known before it runs.
 
 A rank that runs a prefill of T new tokens over N ranks holds T_r of them (padded(T)/N for equal
-shares; cpchat.core.sharding). Its
-forward allocates, beyond what the rank held before, the new tokens' keys and values, T_r k L bytes
-(k a token's in one layer, packed with --kv-bits once the conversation passes the quantized start),
-and the activations of its block: F(T_r) = fixed + per_token · T_r, a line the rank measures when the
-model loads (`ForwardMemory`: MLX's peak over two forwards, less the K/V they stored). On top of that:
+shares; cpchat.core.sharding). Its forward allocates, beyond what the rank held before, the new
+tokens' keys and values, T_r k L bytes (k a token's in one layer, packed with --kv-bits once the
+conversation passes the quantized start), and the activations of its block: F(T_r) = fixed +
+per_token · T_r, a line the rank measures when the model loads (`ForwardMemory`: MLX's peak over two
+forwards, less the K/V they stored). On top of that:
 
     tiles   attention's score block and its masked copy, 2 · 4 · Hkv · (G tq) · min(k_tile, keys) bytes
             (numpy's, on a CPU: MLX does not count them), G = Hq/Hkv, tq = min(TILE, T_r), k_tile as in
