@@ -9,7 +9,7 @@ import pytest
 
 from cpchat.client.session import ContextOverflow, SamplingOptions, Session, load_tokenizer
 from cpchat.core import attention
-from cpchat.core.estimate import PrefillCost, line_through, rank_pairs, tile_pairs
+from cpchat.core.estimate import PrefillCost, line_through, rank_pairs
 from cpchat.core.sharding import head_tail_layout, head_tail_positions
 from cpchat.format import human_duration
 from cpchat.rank.engine import _probe_forward, load_model
@@ -55,7 +55,7 @@ def test_prefill_cost_grows_with_tokens_and_context_and_shrinks_with_ranks():
 @pytest.mark.parametrize("tokens, ranks, cached, shares", [
     (2048, 2, 0, None), (5000, 2, 0, None), (3001, 3, 0, None), (4096, 1, 0, None), (2500, 2, 700, None),
     (5000, 2, 0, (1, 3)), (3001, 3, 300, (3, 1, 2))])
-def test_tile_pairs_count_what_the_tiles_compute(monkeypatch, tokens, ranks, cached, shares):
+def test_rank_pairs_count_what_the_tiles_compute(monkeypatch, tokens, ranks, cached, shares):
     """The estimate's pair counts against partial_attention's own tiles: every rank's queries over
     each rank's block of keys (as pass-KV runs them) and over the cached ones, in equal and unequal
     shares (whose chunks meet no tile boundary: no tile spans a head and a tail chunk)."""
@@ -86,8 +86,6 @@ def test_tile_pairs_count_what_the_tiles_compute(monkeypatch, tokens, ranks, cac
             attention.partial_attention(q, kv, kv, q_pos, k_pos, scale=1.0)
         each.append((sum(n for n, m in counted if not m), sum(n for n, m in counted if m)))
     assert each == rank_pairs(tokens, cached, ranks, GROUPS, shares)
-    if shares is None:
-        assert max(each, key=sum) == tile_pairs(tokens, cached, ranks, GROUPS)
 
 
 def test_a_calibration_forward_longer_than_the_vocabulary_feeds_only_its_tokens(model_dir):

@@ -5,8 +5,8 @@ T_r tokens (padded(T)/N for equal shares; the weights' work, linear in tokens, p
 forward) and attention of those queries over the keys before them. Attention runs in tiles
 (cpchat.core.attention): a tile with no visible pair is skipped, every other one is computed whole,
 and one with some hidden pair costs more a pair (its mask). So the pairs that count are the tiles'
-(`tile_pairs`), not the causal ones: under head-tail sharding a rank's block of up to one tile reads
-every key block whole, twice the visible pairs.
+(`rank_pairs`), not the causal ones; tiles are cut where a rank's head and tail chunks meet
+(cpchat.core.attention.tile_bounds), and the count cuts them alike.
 
     seconds = fixed + per_token · T_r + per_pair · visible-tile pairs + per_masked_pair · masked-tile pairs
 
@@ -45,7 +45,7 @@ class PrefillCost:
         return max(rank_seconds([self] * ranks, new_tokens, cached_tokens, groups, shares))
 
     def rank_seconds(self, tokens: int, pairs: tuple[int, int]) -> float:
-        """A rank's prefill of `tokens` queries that compute `pairs` (tile_pairs') in its tiles."""
+        """A rank's prefill of `tokens` queries that compute `pairs` (rank_pairs') in its tiles."""
         visible, masked = pairs
         return (self.fixed_s + self.per_token_s * tokens + self.per_pair_s * visible
                 + (self.per_masked_pair_s or self.per_pair_s) * masked)
@@ -80,13 +80,6 @@ def balanced_shares(costs: Sequence[PrefillCost], new_tokens: int, cached_tokens
             best, best_s = shares, max(times)
         weights = [w * sum(times) / len(times) / t for w, t in zip(weights, times, strict=True)]
     return best
-
-
-def tile_pairs(new_tokens: int, cached_tokens: int, ranks: int, groups: int = 1, tile: int = TILE
-               ) -> tuple[int, int]:
-    """(Pairs in wholly visible tiles, pairs in partly hidden ones) that the busiest rank computes in
-    a prefill with equal shares."""
-    return max(rank_pairs(new_tokens, cached_tokens, ranks, groups, tile=tile), key=sum)
 
 
 def rank_pairs(new_tokens: int, cached_tokens: int, ranks: int, groups: int = 1, shares: Shares | None = None,
