@@ -138,10 +138,12 @@ def test_auto_shares_give_the_rank_with_room_the_tokens_the_other_cannot_hold(un
     tokens = too_long(uneven, equal)
     refused = equal.memory_shortfall(tokens, 0, "pass_kv", 4)
     assert refused.need.rank == 0 and refused.roomy is not None and refused.roomy[1] > 2 * refused.roomy[0]
+    assert max(refused.roomy) <= 16, "small integers a person can type"
     assert f"--shares {refused.roomy[0]},{refused.roomy[1]} would hold it" in str(refused)
     auto = raw_session(uneven, path, "pass_kv", max_tokens=4)
-    assert auto.prefill_shares(tokens, 0, "pass_kv", 4) == refused.roomy
-    roomy = replace(auto.workload(tokens, 0), shares=refused.roomy)
+    shares = auto.prefill_shares(tokens, 0, "pass_kv", 4)  # free memory read again: may round otherwise
+    assert shares is not None and shares[1] > 2 * shares[0] and max(shares) <= 16
+    roomy = replace(auto.workload(tokens, 0), shares=shares)
     assert shortfall(roomy, "pass_kv", uneven.forward_memory, uneven.free_memory(), 4, ["r", "r"]) is None
 
 

@@ -53,7 +53,8 @@ def shortfall(w: Workload, algorithm: str, forward: list[ForwardMemory], free: l
             suggestions.append("--kv-bits 4 would hold it")
     roomy = None
     if w.ranks > 1:  # the same ranks, each given a share in proportion to its free memory
-        roomy = integer_shares([max(f, 1) for f in free], resolution=16)
+        most = max(max(free), 1)  # as fractions: integer_shares keeps integers (bytes) as given
+        roomy = integer_shares([max(f, 1) / most for f in free], resolution=16)
         needs = prefill_needs(replace(w, shares=roomy), algorithm, forward, free, answer_tokens)
         if roomy == w.shares or not all(x.fits for x in needs):
             roomy = None
