@@ -43,6 +43,8 @@ def app_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the saved conversations, newest first, and exit")
     p.add_argument("--print-config", action="store_true", help="show the settings and where each came from")
     p.add_argument("--list-architectures", action="store_true", help="which model families work, and why not")
+    p.add_argument("--list-models", action="store_true",
+                   help="the models on this machine and whether cpchat runs each (with --json: JSON lines)")
     add_cache_flags(p)
     return p
 
@@ -313,6 +315,27 @@ def print_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def list_models(args: argparse.Namespace) -> int:
+    """`cpchat --list-models`: what the model picker lists, as a table or JSON lines."""
+    import json
+
+    from cpchat.client.models import format_table, local_models, model_dirs
+    from cpchat.client.settings import resolve_settings
+
+    try:
+        settings = resolve_settings(args)
+    except BadInput as e:
+        print(f"cpchat: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    models = local_models(model_dirs(settings.model_dirs))
+    if args.json:
+        for model in models:
+            print(json.dumps(model.as_json()))
+    else:
+        print(format_table(models))
+    return EXIT_OK
+
+
 def cluster_options(args: argparse.Namespace) -> ClusterOptions:
     return ClusterOptions(args.attach, args.hostfile, args.token_file, args.tls_ca, args.transport,
                           args.launch, args.devices)
@@ -346,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         return print_conversations(data_dir() / "transcripts")
     if args.print_config:
         return print_config(args)
+    if args.list_models:
+        return list_models(args)
     if args.headless:
         from cpchat.headless import run_headless
 

@@ -21,3 +21,11 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if abs(n) < 10 else f"{n:.0f} {unit}"
         n /= 1024
     return f"{n:.0f} TiB"
+
+
+def human_params(n: int) -> str:
+    """A model's parameter count as model cards write it: 135M, 3.4M, 8.0B ('?' for 0: not known)."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}" if n < 10 * size else f"{n / size:.0f}{unit}"
+    return str(n) if n else "?"

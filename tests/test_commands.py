@@ -21,7 +21,7 @@ from cpchat.tui.app import CpchatApp
 from cpchat.tui.chat import ChatScreen
 from cpchat.tui.commands import BY_NAME, COMMANDS, parse_slash
 from cpchat.tui.messages import TokensArrived, TurnFinished
-from cpchat.tui.screens import AttachmentsScreen, ConversationsScreen, FilePicker, HelpScreen, ModelPrompt
+from cpchat.tui.screens import AttachmentsScreen, ConversationsScreen, FilePicker, HelpScreen, ModelPicker
 from cpchat.tui.widgets import AttachmentChip, ChatInput, ChatMessage, RingPanel
 
 SIZE = (140, 44)
@@ -152,7 +152,7 @@ async def conversations(pilot: Pilot, run: Run, document: Path) -> None:
 async def model(pilot: Pilot, run: Run, document: Path) -> None:
     chat = pilot.app.chat
     await run("model", "acme/other-chat", "Switch model")
-    if isinstance(pilot.app.screen, ModelPrompt):  # from the palette it asks which
+    if isinstance(pilot.app.screen, ModelPicker):  # from the palette it asks which
         await pilot.press(*"acme/other-chat", "enter")
     await until(pilot, lambda: chat.started == [("switch_model", "acme/other-chat")], "the switch")
     assert chat.busy  # until the ranks say they switched

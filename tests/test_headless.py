@@ -54,7 +54,8 @@ def events(stdout: str) -> list[dict]:
 
 def test_json_events_match_mlx_lm(model_dir):
     path = model_dir("llama")
-    prompt = "The quick brown fox jumps over the lazy dog."
+    # It starts with an existing file's path: a headless prompt goes as written, nothing attached
+    prompt = f"{path / 'config.json'} The quick brown fox jumps over the lazy dog."
     args = f"--headless --json --raw --temp 0 --max-tokens 6 --model {path} --ranks 2 --shares 1,2".split()
     result = run(args + ["--prompt", prompt])
     assert result.returncode == 0, result.stderr

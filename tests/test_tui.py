@@ -30,7 +30,14 @@ from cpchat.smallmodels import write_model
 from cpchat.tui import chat
 from cpchat.tui.app import CpchatApp
 from cpchat.tui.chat import ChatScreen
-from cpchat.tui.screens import AttachmentsScreen, ContextBudget, ConversationsScreen, HelpScreen, ModelPrompt
+from cpchat.tui.screens import (
+    AttachmentsScreen,
+    AttachTyped,
+    ContextBudget,
+    ConversationsScreen,
+    HelpScreen,
+    ModelPicker,
+)
 from cpchat.tui.widgets import (
     AttachmentBar,
     AttachmentChip,
@@ -41,6 +48,7 @@ from cpchat.tui.widgets import (
     RingPanel,
     StatusStrip,
     Transcript,
+    Welcome,
     WorkBar,
 )
 
@@ -231,6 +239,70 @@ async def test_panels_collapse_on_narrow_terminals_and_ctrl_b_is_remembered(tmp_
         await pilot.resize_terminal(80, 24)
         await pilot.press("ctrl+b")
         assert shown(app) == (True, False)
+
+
+async def test_the_welcome_leaves_with_the_first_turn_and_comes_back_on_ctrl_l(make_app, model):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        welcome = app.query_one(Welcome)
+        assert welcome.display and "Starting the ranks" in welcome.text().plain
+        await ready(pilot)
+        await until(pilot, lambda: welcome.model, what="the model named")
+        text = welcome.text().plain
+        assert f"{model.name} on {RANKS} ranks" in text and "/attach PATH" in text and "Ctrl+O" in text
+        assert "Esc stops" in text and "demo model" not in text, "a test model, not the demo"
+        await send(pilot, "Hello")
+        assert not welcome.display and app.query_one(Transcript).children[0] is welcome
+        await pilot.press("ctrl+l")
+        await until(pilot, lambda: not app.query(ChatMessage), what="the conversation cleared")
+        assert welcome.display
+
+
+async def answer_to(pilot: Pilot, typed: str, choice: str | None = None) -> None:
+    """Send `typed`; where it starts with a path, answer the offer to attach it with `choice`."""
+    app = pilot.app
+    prompt = app.query_one(ChatInput)
+    prompt.load_text(typed)
+    prompt.focus()
+    before = app.chat.turns_done
+    await pilot.press("enter")
+    if choice is not None:
+        await until(pilot, lambda: isinstance(app.screen, AttachTyped), what="the question")
+        question = app.screen
+        await until(pilot, lambda: question.done and "tok)" in question.question, what="the count")
+        assert re.search(r"Attach field notes(\.txt)? \([\d.k]+ tok\) and send\?", question.question)
+        await pilot.press(choice)
+    await until(pilot, lambda: app.chat.turns_done > before and not app.chat.busy, what="the answer")
+    assert not isinstance(app.screen, AttachTyped)
+
+
+async def test_a_typed_path_is_offered_for_attaching(make_app, tmp_path, monkeypatch):
+    """A message that starts with an existing file's or folder's path asks; Enter attaches it and sends
+    the question, Esc sends the message as typed; a missing path, or a file's bare name, is sent
+    without asking."""
+    doc = tmp_path / "field notes.txt"
+    doc.write_text("The vault code is 4812-KX. " * 40)
+    folder = tmp_path / "field notes"
+    folder.mkdir()
+    (folder / "a.md").write_text("The gate code is 7712-MR.\n")
+    monkeypatch.chdir(tmp_path)
+    typed = f"'{doc}' What is the code?"
+    app = make_app(max_tokens=2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        messages = app.chat.backend.session.messages
+        await answer_to(pilot, typed, "enter")
+        assert messages[-2].docs == [doc.name] and messages[-2].content.endswith("What is the code?")
+        assert "4812-KX" in messages[-2].content and typed not in messages[-2].content
+        assert app.chat.entries[-2].text == "What is the code?" and not chips(app)
+        await answer_to(pilot, typed, "escape")
+        assert messages[-2].docs == [] and messages[-2].content == typed
+        await answer_to(pilot, f"{tmp_path / 'missing.txt'} What is the code?")
+        assert messages[-2].docs == []
+        await answer_to(pilot, "'field notes.txt' What is the code?")  # here, but no path separator
+        assert messages[-2].docs == []
+        await answer_to(pilot, "./field\\ notes What is the gate code?", "enter")
+        assert messages[-2].docs == ["field notes"] and "7712-MR" in messages[-2].content
 
 
 async def test_multiline_input_and_history(make_app):
@@ -481,7 +553,8 @@ async def test_palette_actions(make_app):
         assert isinstance(app.screen, HelpScreen)
         await pilot.press("escape")
         await run_palette(pilot, "Clear conversation")
-        await until(pilot, lambda: not app.query_one(Transcript).children, what="cleared transcript")
+        await until(pilot, lambda: not app.query(ChatMessage), what="cleared transcript")
+        assert app.query_one(Welcome).display, "the welcome is back"
         assert app.chat.backend.session.messages == [] and app.chat.entries == []
         rows = list(app.query(RankRow))
         await until(pilot, lambda: all(r.stats.kv_tokens == 0 for r in rows), what="KV reset on the ranks")
@@ -590,7 +663,7 @@ async def test_model_switch_reloads_every_rank_and_keeps_the_conversation(make_a
             chat, backend, notes = app.chat, app.chat.backend, app._notifications
             app.query_one(ChatInput).load_text("/model")  # without a model it asks which
             await pilot.press("enter")
-            await until(pilot, lambda: isinstance(app.screen, ModelPrompt), what="the model prompt")
+            await until(pilot, lambda: isinstance(app.screen, ModelPicker), what="the model picker")
             await pilot.press("escape")
             await until(pilot, lambda: app.screen is chat, what="back to the chat")
             app.query_one(ChatInput).load_text("/model /no/such/model")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from cpchat.client.transcripts import Entry, TranscriptStore
 from cpchat.format import human_bytes
 from cpchat.tui.format import bar
-from cpchat.tui.paths import parse_dropped_paths, split_paste
+from cpchat.tui.paths import leading_paths, parse_dropped_paths, split_paste
 
 
 @pytest.fixture
@@ -80,6 +80,30 @@ def test_a_dropped_folder_is_attached_but_a_bare_word_is_text(tmp_path):
 def test_parser_never_raises(text):
     result = parse_dropped_paths(text, cwd=Path("/nonexistent-cpchat"))
     assert result is None or all(p.exists() for p in result)
+    typed = leading_paths(text, cwd=Path("/nonexistent-cpchat"))
+    assert typed is None or all(p.exists() for p in typed[0])
+
+
+def test_a_typed_message_that_starts_with_paths(files, tmp_path, monkeypatch):
+    """Paths written as paths (absolute, ~/, ./, quoted, escaped) before the question are offered for
+    attaching; a bare file name, a missing path or a path later in the message stay text."""
+    a, b = files
+    (tmp_path / "notes").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    question = "What is in it?"
+    assert leading_paths(f"'{a}' {question}") == ([a], question)
+    assert leading_paths(f'"{a}"   {question}  ') == ([a], question + "  ")
+    assert leading_paths(str(a).replace(" ", "\\ ") + f" {question}") == ([a], question)
+    assert leading_paths(f"~/'{a.name}' {question}") == ([a], question)
+    assert leading_paths(f"./notes {question}", cwd=tmp_path) == ([tmp_path / "notes"], question)
+    assert leading_paths(f"'{a}' ~/'{b.name}'") == ([a, b], ""), "only paths: no question"
+    assert leading_paths(f"'{a}' '{a}' {question}") == ([a], question), "named twice, attached once"
+    assert leading_paths(f"{tmp_path}/missing.txt {question}") is None
+    assert leading_paths(f"'{a.name}' {question}", cwd=tmp_path) is None, "a bare file name is text"
+    assert leading_paths(f"notes {question}", cwd=tmp_path) is None
+    assert leading_paths(f"{question} '{a}'") is None, "only where the message starts"
+    assert leading_paths(f"'{a} {question}") is None, "an unmatched quote"
+    assert leading_paths("https://example.com/a.txt what is it") is None
 
 
 def test_store_round_trip_and_torn_line(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 from cpchat.client.cluster import ServedModel
 from cpchat.client.documents import Document, Section
 from cpchat.client.events import AlgorithmChoice, Prefill, RankStats, RingStep
-from cpchat.client.settings import Settings
+from cpchat.client.settings import Settings, bundled
 from cpchat.client.transcripts import Entry
 from cpchat.tui.app import CpchatApp
 from cpchat.tui.messages import (
@@ -132,6 +132,22 @@ def test_snapshot_mid_answer(snap_compare):
 
 def test_snapshot_failed_rank(snap_compare):
     assert snap_compare(make_app(), terminal_size=SIZE, run_before=failed_rank)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (140, 40)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_snapshot_welcome_to_the_demo_model(snap_compare, monkeypatch, size):
+    """The first screen a new user sees: the demo model on 2 ranks, with the sample to try (its path
+    as typed from the repository's root)."""
+    monkeypatch.chdir(bundled("sample-doc.txt").parent.parent)
+    demo = ServedModel(str(bundled("demo-model")), "llama", 6, 6, 6, 4096, 4, 131072)
+
+    async def run_before(pilot) -> None:
+        await pilot.pause()
+        pilot.app.query_one(ChatInput).cursor_blink = False
+        pilot.app.chat.post_message(BackendReady(demo, RANKS))
+        await pilot.pause()
+
+    assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
 
 
 @pytest.mark.parametrize("size", [(80, 24), (100, 30), (120, 40), (200, 60)], ids=lambda s: f"{s[0]}x{s[1]}")

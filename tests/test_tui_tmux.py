@@ -14,6 +14,8 @@ import psutil
 import pytest
 from rankprocs import ranks_started_with
 
+from cpchat.client.settings import bundled
+
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 
 
@@ -76,5 +78,33 @@ def test_cpchat_runs_in_tmux(model_dir, tmp_path):
         assert "EXIT=0" in tmux.screen()
         gone, alive = psutil.wait_procs(ranks, timeout=10)
         assert not alive, f"rank processes left behind: {[p.pid for p in alive]}"
+    finally:
+        subprocess.run(["tmux", "-L", tmux.socket, "kill-server"], capture_output=True)
+
+
+def test_a_typed_path_and_a_question_are_answered_from_the_document(tmp_path):
+    """The first minute with the demo model: type a document's path and a question, take the offer to
+    attach it, and read the answer out of the document."""
+    doc = tmp_path / "notes on vaults.txt"
+    doc.write_text(bundled("sample-doc.txt").read_text(encoding="utf-8"))
+    tmux = Tmux(f"cpchat-typed-{os.getpid()}")
+    command = shlex.join([sys.executable, "-m", "cpchat", "--ranks", "2", "--max-tokens", "24"])
+    env = {**os.environ, "TERM": "xterm-256color"}
+    subprocess.run(["tmux", "-L", tmux.socket, "-f", "/dev/null", "new-session", "-d", "-s", "main",
+                    "-x", "140", "-y", "44", f"{command}; echo EXIT=$?; sleep 60"], check=True, env=env)
+    try:
+        tmux.wait_for(lambda s: "demo-model on 2 ranks" in s, 90, "the welcome to name the model")
+        question = "What is the access code for the Orion vault?"
+        tmux("send-keys", "-t", "main", "-l", f"{shlex.quote(str(doc))} {question}")
+        tmux("send-keys", "-t", "main", "Enter")
+        tmux.wait_for(lambda s: re.search(r"Attach notes on vaults\.txt \([\d.,k]+ tok\) and send\?", s), 60,
+                      "the offer to attach")
+        tmux("send-keys", "-t", "main", "Enter")
+        screen = tmux.wait_for(lambda s: "4812-KX" in s, 120, "the answer from the document")
+        assert "attached: notes on vaults.txt" in screen
+        assert "cpchat · chat about long documents" not in screen, "the welcome left with the turn"
+        tmux("send-keys", "-t", "main", "C-q")
+        tmux.wait_for(lambda s: "EXIT=" in s, 30, "cpchat to quit")
+        assert "EXIT=0" in tmux.screen()
     finally:
         subprocess.run(["tmux", "-L", tmux.socket, "kill-server"], capture_output=True)

@@ -8,6 +8,7 @@ The config file is TOML at <user config dir>/cpchat/config.toml, e.g.
     max_tokens = 512
     temp = 0.0
     theme = "textual-dark"
+    model_dirs = ["~/models", "/data/models"]   # where the model picker looks
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Settings:
     kv_bits: int = 0  # K/V quantized to 4 or 8 bits (mlx-lm's --kv-bits); 0: the model's dtype
     kv_group_size: int = 64
     quantized_kv_start: int = QUANTIZED_KV_START
+    model_dirs: str = "~/models"  # folders of models for the picker, joined by os.pathsep
     sources: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -84,6 +86,11 @@ def _flag(value: object) -> bool:
     return word in ("1", "true", "yes", "on")
 
 
+def _folders(value: object) -> str:
+    """Folders as a TOML list, or one string joined by the OS's path separator (the environment)."""
+    return os.pathsep.join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 _KEYS = {f.name: f.type for f in fields(Settings) if f.name != "sources"}
 _CASTS = {
     "model": str,
@@ -103,6 +110,7 @@ _CASTS = {
     "kv_bits": int,
     "kv_group_size": int,
     "quantized_kv_start": int,
+    "model_dirs": _folders,
 }
 
 

@@ -9,6 +9,7 @@ panels their arithmetic, the attachment bar its reading; the commands' table is 
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,9 +25,10 @@ from cpchat.client.cluster import Cluster, ServedModel
 from cpchat.client.connect import ClusterOptions
 from cpchat.client.documents import Document
 from cpchat.client.frontend import Frontend
+from cpchat.client.models import local_models, model_dirs
 from cpchat.client.session import Message as SessionMessage
 from cpchat.client.session import Turn
-from cpchat.client.settings import Settings
+from cpchat.client.settings import Settings, bundled
 from cpchat.client.transcripts import Entry, TranscriptStore
 from cpchat.core.algorithms import ALGORITHMS
 from cpchat.dirs import data_dir
@@ -34,8 +36,9 @@ from cpchat.tui import messages as m
 from cpchat.tui.commands import run_slash
 from cpchat.tui.export import export_transcript
 from cpchat.tui.jobs import BackendJobs
+from cpchat.tui.paths import leading_paths
 from cpchat.tui.prefs import load_panels, save_panels
-from cpchat.tui.screens import ContextBudget, ConversationsScreen, MemoryBudget, ModelPrompt
+from cpchat.tui.screens import AttachTyped, ContextBudget, ConversationsScreen, MemoryBudget, ModelPicker
 from cpchat.tui.widgets import (
     Answer,
     AttachmentBar,
@@ -167,6 +170,10 @@ class ChatScreen(Screen):
         self.attachments.context_limit = message.model.max_context
         name = Path(message.model.name).name or message.model.name
         self.app.sub_title = f"{name} · {len(message.ranks)} ranks"
+        welcome = self.transcript.welcome
+        welcome.model, welcome.ranks = name, len(message.ranks)
+        demo = Path(message.model.name) == bundled("demo-model")  # the trained one: it can answer the sample
+        welcome.sample = self.sample_path() if demo else ""
         if message.description and not self.settings.model:
             self.notify(f"Using {message.description}.", timeout=5)
         if message.blas_warning:
@@ -229,8 +236,9 @@ class ChatScreen(Screen):
             self.notify("Wait for the ranks to be ready and the answer to end.", severity="warning")
             return
         if model is None:
-            current = cluster.model.name
-            self.app.push_screen(ModelPrompt(current), lambda m: m and self.action_switch_model(m))
+            folders = model_dirs(self.settings.model_dirs)
+            self.app.push_screen(ModelPicker(cluster.model.name, lambda: local_models(folders)),
+                                 lambda m: m is not None and self.action_switch_model(m))
             return
         self.busy = True
         self.switch_model(model)
@@ -274,8 +282,30 @@ class ChatScreen(Screen):
             return
         if self._preparing:
             return
+        if event.attach_paths and (found := leading_paths(text)) is not None:
+            self.ask_to_attach(event.text, *found)
+            return
         self._preparing = True
         self.prepare_turn(event.text, text, [c.document for c in chips])
+
+    def ask_to_attach(self, typed: str, paths: list[Path], rest: str) -> None:
+        """A message that starts with paths: attach them and send the rest, or send it as typed."""
+
+        async def decided(read: list[m.DocumentRead] | None) -> None:
+            for document in read or []:
+                await self.attachments.take(document)
+            self.post_message(ChatInput.Submitted(rest if read else typed, attach_paths=False))
+
+        self.app.push_screen(AttachTyped(paths, self.attachments.read), decided)
+
+    @staticmethod
+    def sample_path() -> str:
+        """The sample document as the user would type it: relative here, ~/ at home, quoted if need be."""
+        path = bundled("sample-doc.txt")
+        for base, prefix in ((Path.cwd(), "./"), (Path.home(), "~/")):
+            if path.is_relative_to(base):
+                return prefix + shlex.quote(str(path.relative_to(base)))
+        return shlex.quote(str(path))
 
     @work(thread=True, group="prepare", exit_on_error=False)
     def prepare_turn(self, typed: str, text: str, documents: list[Document]) -> None:
@@ -297,7 +327,7 @@ class ChatScreen(Screen):
                 await self._send(message, past_context=True)
             elif choice and choice.startswith("remove:"):
                 await self.attachments.remove_chip(chips[int(choice.partition(":")[2])])
-                self.post_message(ChatInput.Submitted(message.typed))
+                self.post_message(ChatInput.Submitted(message.typed, attach_paths=False))
 
         attachments = [(c.document.name, c.tokens) for c in chips]
         if message.shortfall is not None:
@@ -425,7 +455,7 @@ class ChatScreen(Screen):
         self.jobs.reset(self.failed)
 
     async def on_conversation_cleared(self, message: m.ConversationCleared) -> None:
-        await self.transcript.remove_children()
+        await self.transcript.clear()
         self.entries.clear()
         self.store.clear()
         self.side.clear()

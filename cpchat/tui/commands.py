@@ -28,7 +28,7 @@ COMMANDS = (
     Command("attachments", "List attachments", "What goes into the next message, a folder's files too",
             "list_attachments"),
     Command("conversations", "Conversations", "Open, rename or delete a saved conversation", "conversations"),
-    Command("model", "Switch model", "Load another model on every rank; the conversation stays",
+    Command("model", "Switch model", "Pick a model on this machine for every rank; the conversation stays",
             "switch_model", "PATH_OR_ID"),
     Command("algorithm", "Ring algorithm", "auto, pass_kv, pass_q, all_gather or ulysses from the next turn",
             "set_algorithm", "|".join(ALGORITHMS)),

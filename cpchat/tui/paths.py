@@ -66,3 +66,50 @@ def parse_dropped_paths(text: str, cwd: Path | None = None) -> list[Path] | None
     if whole and "\n" not in whole and (path := existing(whole)):
         return [path]
     return None
+
+
+def leading_paths(text: str, cwd: Path | None = None) -> tuple[list[Path], str] | None:
+    """The existing files and folders a typed message starts with, and the rest of it; None when it
+    does not start with one. A path is written as a path (absolute, `~/…` or with a `/`), plain,
+    quoted or with escaped spaces: a bare word that happens to name a file here stays text."""
+    base = cwd or Path.cwd()
+    paths: list[Path] = []
+    rest = text.lstrip()
+    while rest:
+        word, after = _shell_word(rest)
+        if word is None or "/" not in word:
+            break
+        path = Path(os.path.expanduser(word))
+        path = path if path.is_absolute() else base / path
+        if not path.exists():
+            break
+        paths.append(path)
+        rest = after.lstrip()
+    return (list(dict.fromkeys(paths)), rest) if paths else None
+
+
+def _shell_word(text: str) -> tuple[str | None, str]:
+    """The first word of `text` as a shell reads it (quotes and backslash escapes), and what follows
+    it; None for an unmatched quote."""
+    word, i, quote = [], 0, ""
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == quote:
+                quote = ""
+            elif c == "\\" and quote == '"' and i + 1 < len(text) and text[i + 1] in '"\\':
+                i += 1
+                word.append(text[i])
+            else:
+                word.append(c)
+        elif c in "'\"":
+            quote = c
+        elif c == "\\" and i + 1 < len(text):
+            i += 1
+            word.append(text[i])
+        elif c.isspace():
+            break
+        else:
+            word.append(c)
+        i += 1
+    return (None, text) if quote else ("".join(word), text[i:])

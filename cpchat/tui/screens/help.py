@@ -27,7 +27,9 @@ Chat about long documents; attention runs context-parallel over the ranks on the
 | **Ctrl+Q** | quit |
 
 **Attaching documents.** Drop files or folders onto the terminal (a paste of
-their paths), type `/attach PATH`, or use the picker. PDF, EPUB, HTML, DOCX,
+their paths), type their paths before your question (cpchat offers to attach
+them: Enter attaches, Esc sends the text as typed), type `/attach PATH`, or use
+the picker. PDF, EPUB, HTML, DOCX,
 Markdown, code and text are read (PDF pages and EPUB chapters keep a marker,
 `[page 12]`); a folder brings its files, minus what `.gitignore` ignores,
 vendored and binary files. Each becomes a chip with its format, pages or files
@@ -40,8 +42,9 @@ message with its file name. A prompt past the model's context asks first.
 `auto` chose it, with the last ring pass per step. *Throughput*: time to first
 token, prefill and decode rates, and context used.
 
-**Commands.** `/attach PATH`, `/model MODEL` (switch every rank to another model, keeping the
-conversation: a directory, a hub id, a GGUF file, `ollama:NAME[:TAG]` or `smollm2`),
+**Commands.** `/attach PATH`, `/model [MODEL]` (switch every rank to another model, keeping the
+conversation: without MODEL a picker lists the models on this machine, those cpchat cannot run
+greyed with the reason; or a directory, a hub id, a GGUF file, `ollama:NAME[:TAG]` or `smollm2`),
 `/algorithm auto|pass_kv|pass_q|all_gather|ulysses`, `/clear`, `/export`, `/relaunch`, `/help`.
 
 Transcripts are saved as they grow; `cpchat --list` lists them and `cpchat --resume [ID]` reopens

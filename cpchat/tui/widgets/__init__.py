@@ -14,10 +14,11 @@ from cpchat.tui.widgets.side_panels import SidePanels
 from cpchat.tui.widgets.status_strip import StatusStrip
 from cpchat.tui.widgets.throughput import ThroughputPanel
 from cpchat.tui.widgets.transcript import Transcript
+from cpchat.tui.widgets.welcome import Welcome
 from cpchat.tui.widgets.work_bar import WorkBar
 
 __all__ = [
     "Answer", "AttachmentBar", "AttachmentChip", "BigText", "ChatInput", "ChatMessage", "RankRow",
     "RanksPanel", "RingChart", "RingPanel", "SidePanels", "StatusStrip", "ThroughputPanel", "Transcript",
-    "WorkBar",
+    "Welcome", "WorkBar",
 ]

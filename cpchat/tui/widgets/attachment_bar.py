@@ -107,6 +107,13 @@ class AttachmentBar(Horizontal):
 
         return report
 
+    def read(self, path: Path, cancel: threading.Event) -> tuple[Document, int | None]:
+        """One document read and counted, for a dialog that asks before attaching it (blocks: call
+        it from a thread worker). Raises BadInput or DocumentCancelled."""
+        document = read_document(path, self._read_progress(path.name), cancel)
+        self.post_message(WorkProgress("read", 0, 0))
+        return document, self._count(document)
+
     def _count(self, document: Document) -> int | None:
         tokenizer = self._tokenizer()
         return len(tokenizer.encode(render_sections(document))) if tokenizer is not None else None

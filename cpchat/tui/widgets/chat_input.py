@@ -22,9 +22,11 @@ class ChatInput(TextArea):
     ]
 
     class Submitted(Message):
-        def __init__(self, text: str) -> None:
+        """`attach_paths`: offer to attach the paths the text starts with (not when it was offered)."""
+
+        def __init__(self, text: str, attach_paths: bool = True) -> None:
             super().__init__()
-            self.text = text
+            self.text, self.attach_paths = text, attach_paths
 
     class PathsDropped(Message):
         """A paste made only of existing file paths: attach them instead of inserting text."""
