@@ -93,6 +93,38 @@ def plan_parser() -> argparse.ArgumentParser:
     return p
 
 
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cpchat serve",
+        description="The ranks behind an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, "
+                    "/v1/models and /health. One request runs at a time; the others wait in order.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token every request must carry (also CPCHAT_API_KEY); required beyond "
+                        "loopback")
+    p.add_argument("--insecure", action="store_true", help="listen beyond loopback without an API key")
+    p.add_argument("--max-queue", type=positive_int, default=16, metavar="N",
+                   help="requests that may wait for the ranks; past them, 429 (default 16)")
+    p.add_argument("--max-request-bytes", type=positive_int, default=64 << 20, metavar="B",
+                   help="largest request body; past it, 413 (default 64 MiB)")
+    add_cluster_flags(p)
+    p.add_argument("--max-tokens", type=int, default=None, help="answer tokens when a request does not say")
+    p.add_argument("--temp", type=float, default=None, help="temperature when a request does not say (0)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    add_cache_flags(p)
+    return p
+
+
+def run_serve(argv: list[str]) -> int:
+    from cpchat.serve.server import run_serve as serve
+
+    args = app_parser().parse_args([])
+    vars(args).update(vars(serve_parser().parse_args(argv)))
+    return serve(args, cluster_options(args))
+
+
 def token_count(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20}
     try:
@@ -353,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
     if argv[:1] == ["plan"]:
         return run_plan(argv[1:])
+    if argv[:1] == ["serve"]:
+        return run_serve(argv[1:])
     if argv[:1] == ["bench"]:
         from cpchat.bench import main as bench_main
 

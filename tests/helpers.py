@@ -46,7 +46,7 @@ def raw_session(cluster, path: Path, algorithm: str, max_tokens: int, shares: st
 
 def next_turn(session: Session, new: list[int]) -> tuple[list[tuple[int, float]], list]:
     """One raw turn, the conversation so far plus `new`: (tokens with logprobs, events)."""
-    events = list(session._generate(session.raw_history + new))
+    events = list(session.generate(session.raw_history + new))
     return [(e.id, e.logprob) for e in events if isinstance(e, Token)], events
 
 

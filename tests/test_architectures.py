@@ -113,7 +113,7 @@ def test_sliding_layers_forget_old_keys_and_turns_stay_exact(clusters, variant_d
     assert sum(r.kv_bytes for r in done.ranks) < 0.6 * full
     # Keep fewer tokens than the windows allow (as when a chat template rewrites the last answer):
     shorter = history[: session.keep_floor - 3] + random_prompt(path, 5, seed=9)
-    events = list(session._generate(shorter))
+    events = list(session.generate(shorter))
     assert next(e for e in events if type(e).__name__ == "Prefill").cached_tokens == 0
     assert_same([(e.id, e.logprob) for e in events if hasattr(e, "logprob")],
                 reference_generate(path, shorter, MAX_TOKENS))

@@ -138,7 +138,7 @@ def test_a_turn_that_rewrites_history_keeps_the_common_prefix(clusters, model_di
     first = random_prompt(path, 60, seed=7)
     next_turn(session, first)
     edited = first[:23] + random_prompt(path, 9, seed=8)
-    events = list(session._generate(edited))
+    events = list(session.generate(edited))
     assert prefill_event(events).cached_tokens == 23
     got = [(e.id, e.logprob) for e in events if hasattr(e, "logprob")]
     assert_same(got, reference_generate(path, edited, 6))

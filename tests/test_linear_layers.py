@@ -84,7 +84,7 @@ def test_turns_go_on_from_the_stored_state(clusters, model_dir, arch):
         history += [t for t, _ in got]
     assert prompt_end in session.state_positions
     rewritten = history[: prompt_end + 2] + random_prompt(path, 4, seed=9)
-    events = list(session._generate(rewritten))
+    events = list(session.generate(rewritten))
     assert prefill_event(events).cached_tokens == prompt_end
     assert_same([(e.id, e.logprob) for e in events if hasattr(e, "logprob")],
                 reference_generate(path, rewritten, MAX_TOKENS))

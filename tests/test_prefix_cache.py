@@ -59,7 +59,7 @@ def ask(cluster, path: Path, ids: list[int], algorithm: str = "auto", documents_
     """A new session (the ranks' memory emptied) on `ids`: (tokens with logprobs, events, session)."""
     cluster.reset(0)
     session = cached_session(cluster, path, algorithm)
-    events = list(session._generate(ids, documents_end=documents_end))
+    events = list(session.generate(ids, documents_end=documents_end))
     return [(e.id, e.logprob) for e in events if isinstance(e, Token)], events, session
 
 

@@ -257,7 +257,7 @@ def prefill_once(cluster: Cluster, tokenizer, ids: list[int], algorithm: str, sh
                       sampling=SamplingOptions(max_tokens=1, temperature=0.0), shares=shares)
     ttft = prefill = 0.0
     taken: list[int] = []
-    for event in session._generate(ids):
+    for event in session.generate(ids):
         if isinstance(event, Prefill):
             prefill, taken = event.ms, event.shares
         elif isinstance(event, Done):
@@ -298,7 +298,7 @@ def decode_row(cluster: Cluster, tokenizer, variant: Variant, context: int, exch
     row = DecodeRow(variant, cluster.size, context, exchange, estimate_ms=round(1000 * estimate, 3))
     for _ in range(args.repeats):
         cluster.reset(0)
-        done = [e for e in session()._generate(ids) if isinstance(e, Done)][0]
+        done = [e for e in session().generate(ids) if isinstance(e, Done)][0]
         row.generated_tokens.append(done.generated_tokens)
         if done.decode_tokens_per_s > 0:  # 0: fewer than two tokens came (an early stop token)
             row.ms_per_token.append(1000 / done.decode_tokens_per_s)

@@ -196,7 +196,7 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, 
                     algorithm=args.algorithm,
                     sampling=SamplingOptions(max_tokens=args.decode, temperature=0.0),
                 )
-                for event in session._generate(ids):
+                for event in session.generate(ids):
                     if isinstance(event, Prefill):
                         row.prefill_tokens_per_s.append(context / (event.ms / 1000))
                         row.algorithm = event.algorithm
@@ -264,7 +264,7 @@ def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> tu
         algorithm="pass_kv",
         sampling=SamplingOptions(max_tokens=1, temperature=0.0),
     )
-    list(session._generate(ids))
+    list(session.generate(ids))
     waited = transfer = 0.0
     every = cluster.stats_once()
     for stats in every:

@@ -43,6 +43,7 @@ class SamplingOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, tests)
 
 
 @dataclass
@@ -234,11 +235,16 @@ class Session:
 
     def turn_shortfall(self, turn: Turn) -> MemoryShortfall | None:
         """The memory check `run` makes, for a turn before it is sent (the TUI asks first)."""
-        keep = self._kept(turn.tokens)
-        new = len(turn.tokens) - keep
+        return self.prompt_shortfall(turn.tokens, self.sampling.max_tokens)
+
+    def prompt_shortfall(self, tokens: list[int], answer_tokens: int) -> MemoryShortfall | None:
+        """The memory check `generate` makes, for a prompt's token ids before they are sent. Blocks on
+        the ranks: not for the event loop."""
+        keep = self._kept(tokens)
+        new = len(tokens) - keep
         try:
             algorithm = self.choose_algorithm(new, keep).algorithm
-            self.prefill_shares(new, keep, algorithm, self.sampling.max_tokens)
+            self.prefill_shares(new, keep, algorithm, answer_tokens)
         except MemoryShortfall as refused:
             return refused
         return None
@@ -348,16 +354,23 @@ class Session:
         if limit and self.fits(turn):
             max_tokens = min(max_tokens, limit - len(turn.tokens))
         self.messages.append(Message("user", turn.content, turn.docs))
+        shown: list[str] = []
         try:
-            yield from self._generate(turn.tokens, max_tokens, turn.documents_end)
+            for event in self.generate(turn.tokens, max_tokens, turn.documents_end):
+                if isinstance(event, Token):
+                    shown.append(event.text)
+                yield event
         except BaseException:
             if self.messages and self.messages[-1].role == "user":
                 self.messages.pop()
             raise
+        # The answer is exactly what was streamed; bytes of an unfinished character at the end are dropped.
+        self.messages.append(Message("assistant", "".join(shown)))
 
-    def _generate(self, full: list[int], max_tokens: int | None = None,
+    def generate(self, full: list[int], max_tokens: int | None = None,
                   documents_end: int = 0) -> Iterator[Event]:
-        """Prefill what the ranks neither hold nor load from disk, and generate. With the prefix cache,
+        """Prefill what the ranks neither hold nor load from disk, and generate: the prompt's token ids
+        as they are (`run` keeps the conversation's messages). With the prefix cache,
         a model with linear layers also keeps its state where the documents end (`documents_end`), so that
         another question about them can go on from there."""
         vocab = self.cluster.model.vocab_size
@@ -386,7 +399,7 @@ class Session:
             max_tokens=answer_tokens,
             algorithm=choice.algorithm, decode=self.decode_exchange(len(full)),
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed,
-            stop_tokens=sorted(self.tokenizer.eos_token_ids),
+            stop_tokens=[] if self.sampling.ignore_eos else sorted(self.tokenizer.eos_token_ids),
             save_prefix=self.prefix_cache and len(full) - self.saved >= self.save_min_tokens,
             keep_state_at=max(documents_end - keep, 0) if self.prefix_cache and linear else 0,
             shares=shares or (),
@@ -395,7 +408,6 @@ class Session:
         detok = self.tokenizer.detokenizer
         detok.reset()
         generated: list[int] = []
-        shown: list[str] = []
         t_first = t_last = None
         t_progress = t_start
         done = None
@@ -421,9 +433,7 @@ class Session:
                 t_first = t_first or t_last
                 generated.append(event.id)
                 detok.add_token(event.id)
-                segment = detok.last_segment
-                shown.append(segment)
-                yield Token(turn, event.id, segment, event.logprob)
+                yield Token(turn, event.id, detok.last_segment, event.logprob)
             elif isinstance(event, GenerationDone):
                 done = event.done
         self.held = (full + generated)[: done.cached_tokens]
@@ -433,8 +443,6 @@ class Session:
         self.state_positions = list(done.state_positions)
         if self.raw:
             self.raw_history = full + generated
-        # The answer is exactly what was streamed; bytes of an unfinished character at the end are dropped.
-        self.messages.append(Message("assistant", "".join(shown)))
         self.turn_index += 1
         ttft = 1000 * ((t_first or time.perf_counter()) - t_start)
         rate = (len(generated) - 1) / (t_last - t_first) if len(generated) > 1 and t_last > t_first else 0.0

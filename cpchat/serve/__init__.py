@@ -1,0 +1,1 @@
+"""`cpchat serve`: an OpenAI-compatible HTTP API over the ranks."""

@@ -1,0 +1,341 @@
+"""`cpchat serve`: the ranks behind an OpenAI-compatible HTTP API.
+
+Starlette routes on uvicorn: the ASGI pair most Python services of this kind stand on (FastAPI is
+Starlette underneath), small, with server-sent events and no compiled parts. The routes stay thin:
+requests are read by cpchat.serve.openai_api and run by cpchat.serve.generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import os
+import secrets
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from cpchat import EXIT_BACKEND, EXIT_OK, EXIT_USAGE
+from cpchat.checkpoints.resolve import DownloadLines
+from cpchat.client.connect import ClusterOptions
+from cpchat.client.events import Progress
+from cpchat.client.frontend import Frontend
+from cpchat.client.session import Session
+from cpchat.client.settings import resolve_settings
+from cpchat.errors import BackendError, BadInput
+from cpchat.serve.generation import Generation, Piece, RankQueue
+from cpchat.serve.openai_api import (
+    ApiError,
+    GenerationParams,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    new_id,
+    parse_chat,
+    parse_completion,
+)
+
+MAX_REQUEST_BYTES = 64 << 20  # a request body past this is refused (413)
+SHUTDOWN_GRACE_S = 5  # on SIGTERM, answers under way get this long to finish
+
+
+def say(line: str) -> None:
+    print(f"cpchat serve: {line}", file=sys.stderr, flush=True)
+
+
+class Service:
+    """What the routes delegate to: the model's name, the session on the ranks and their queue."""
+
+    def __init__(self, session: Session, model_id: str, defaults: GenerationParams, max_queue: int,
+                 max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
+        self.session, self.model_id, self.defaults = session, model_id, defaults
+        self.queue = RankQueue(max_queue)
+        self.max_request_bytes = max_request_bytes
+
+    # ---- requests
+
+    async def read_json(self, request: Request) -> object:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_request_bytes:
+            raise self._too_large()
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_request_bytes:
+                raise self._too_large()
+        try:
+            return json.loads(body)
+        except ValueError as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body is larger than {self.max_request_bytes:,} bytes",
+                        code="request_too_large")
+
+    def fit(self, tokens: list[int], params: GenerationParams) -> GenerationParams:
+        """Refuse a prompt past the model's context; an answer gets at most the tokens left in it."""
+        limit = self.session.context_limit
+        if limit and len(tokens) >= limit:
+            raise ApiError(400, f"This model's maximum context length is {limit:,} tokens. However, your "
+                                f"prompt is {len(tokens):,} tokens.", param="messages",
+                           code="context_length_exceeded")
+        if limit:
+            params.max_tokens = min(params.max_tokens, limit - len(tokens))
+        return params
+
+    async def start(self, tokens: list[int], params: GenerationParams) -> Generation:
+        """Wait for the ranks (or be refused), check their memory, and start the generation."""
+        params = self.fit(tokens, params)
+        await self.queue.acquire()
+        try:
+            refused = await asyncio.to_thread(self.session.prompt_shortfall, tokens, params.max_tokens)
+            if refused is not None:
+                raise ApiError(400, str(refused), code="insufficient_memory")
+            generation = Generation(self.session, tokens, params)
+            generation.start()
+        except BaseException:
+            self.queue.release(cancelled=False)
+            raise
+        return generation
+
+    async def finish(self, generation: Generation, kind: str) -> None:
+        await generation.close()
+        self.queue.release(cancelled=not generation.finished)
+        o = generation.outcome
+        end = f"{o.completion_tokens} generated, TTFT {o.ttft_ms:,.0f} ms, {o.decode_tokens_per_s:.1f} tok/s"
+        say(f"{kind}: {o.prompt_tokens:,} prompt tokens ({o.cached_tokens:,} reused), "
+            + (end if generation.finished else "stopped: the client went away"))
+
+    async def collect(self, request: Request, generation: Generation) -> tuple[str, list]:
+        """The whole answer, stopping the ranks if the client goes away before it is done."""
+        text: list[str] = []
+        tokens: list[tuple[str, float]] = []
+
+        async def read() -> None:
+            async for piece in generation.pieces():
+                if isinstance(piece, Piece):
+                    text.append(piece.text)
+                    tokens.extend(piece.tokens)
+
+        reader = asyncio.ensure_future(read())
+        while not reader.done():
+            await asyncio.wait({reader}, timeout=0.25)
+            if not reader.done() and await request.is_disconnected():
+                reader.cancel()
+                raise ApiError(499, "the client went away")
+        reader.result()
+        return "".join(text), tokens
+
+    # ---- what the ranks hold
+
+    async def health(self) -> dict:
+        cluster, state = self.session.cluster, self.queue.state
+        stats = await asyncio.to_thread(cluster.stats_once)
+        return {"status": "ok", "model": self.model_id, "running": state.running, "waiting": state.waiting,
+                "served": state.served, "cancelled": state.cancelled, "held_tokens": len(self.session.held),
+                "ranks": [{"rank": s.rank, "address": s.address, "state": s.state, "kv_tokens": s.kv_tokens,
+                           "rss_bytes": s.rss_bytes} for s in stats]}
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events, and `on_close` however the stream ends: done, or the client gone."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
+
+
+def sse(data: object) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+async def stream(generation: Generation, chunk: Callable[..., dict], first: dict | None
+                 ) -> AsyncIterator[str]:
+    """A generation as server-sent events: `chunk(text or delta, finish, logprobs, usage, offset)` shapes
+    each. Prefill progress goes as comments (clients skip them; a client gone shows the sooner)."""
+    params, offset = generation.params, 0
+    if first is not None:
+        yield sse(chunk(first))
+    try:
+        async for piece in generation.pieces():
+            if isinstance(piece, Progress):
+                yield f": prefill {piece.processed}/{piece.total - piece.cached}\n\n"
+                continue
+            body = {"content": piece.text} if first is not None else piece.text
+            yield sse(chunk(body, logprobs=piece.tokens if params.logprobs else None, offset=offset))
+            offset += len(piece.text)
+    except ApiError as e:
+        yield sse(e.body())
+        return
+    yield sse(chunk({} if first is not None else "", finish=generation.outcome.finish_reason))
+    if params.include_usage:
+        yield sse(chunk({} if first is not None else "", usage=generation.outcome.usage()))
+    yield "data: [DONE]\n\n"
+
+
+def make_app(service: Service, api_key: str | None) -> Starlette:
+    """The routes; with `api_key`, every request must carry it as a bearer token."""
+
+    def authorised(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "a valid API key is required: Authorization: Bearer <key>",
+                           code="invalid_api_key")
+
+    async def chat(request: Request) -> Response:
+        authorised(request)
+        req = parse_chat(await service.read_json(request), service.model_id, service.defaults)
+        tokens = list(service.session.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True))
+        generation = await service.start(tokens, req.params)
+        rid, model = new_id("chatcmpl"), service.model_id
+        if req.params.stream:
+            def chunk(delta, finish=None, logprobs=None, usage=None, offset=0):
+                return chat_chunk(rid, model, delta, finish, logprobs, usage)
+            return EventStream(stream(generation, chunk, {"role": "assistant", "content": ""}),
+                               lambda: service.finish(generation, "chat"))
+        try:
+            text, tokens = await service.collect(request, generation)
+        finally:
+            await service.finish(generation, "chat")
+        return JSONResponse(chat_response(rid, model, text, generation.outcome,
+                                          tokens if req.params.logprobs else None))
+
+    async def completions(request: Request) -> Response:
+        authorised(request)
+        req = parse_completion(await service.read_json(request), service.model_id, service.defaults)
+        prompt = req.prompt
+        tokens = list(prompt) if isinstance(prompt, list) else list(service.session.tokenizer.encode(prompt))
+        generation = await service.start(tokens, req.params)
+        rid, model = new_id("cmpl"), service.model_id
+        if req.params.stream:
+            def chunk(text, finish=None, logprobs=None, usage=None, offset=0):
+                return completion_chunk(rid, model, text, finish, logprobs, usage, offset)
+            return EventStream(stream(generation, chunk, None),
+                               lambda: service.finish(generation, "completion"))
+        try:
+            text, tokens = await service.collect(request, generation)
+        finally:
+            await service.finish(generation, "completion")
+        return JSONResponse(completion_response(rid, model, text, generation.outcome,
+                                                tokens if req.params.logprobs else None))
+
+    async def models(request: Request) -> Response:
+        authorised(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": service.model_id, "object": "model", "created": 0, "owned_by": "cpchat",
+             "max_model_len": service.session.context_limit}]})  # vLLM's name for the context
+
+    async def health(request: Request) -> Response:
+        authorised(request)
+        return JSONResponse(await service.health())
+
+    async def api_error(request: Request, error: Exception) -> Response:
+        assert isinstance(error, ApiError)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    async def http_error(request: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)
+        body = ApiError(error.status_code, str(error.detail)).body()
+        return JSONResponse(body, status_code=error.status_code)
+
+    return Starlette(routes=[
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ], exception_handlers={ApiError: api_error, HTTPException: http_error})
+
+
+class Shutdown(Exception):
+    """SIGTERM or Ctrl+C: uvicorn has finished its requests and hands the signal on to us."""
+
+
+def _shutdown(signum, frame) -> None:
+    raise Shutdown
+
+
+def loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise BadInput(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(128)
+    return sock
+
+
+def run_serve(args: argparse.Namespace, options: ClusterOptions) -> int:
+    """0 after a clean shutdown (Ctrl+C, SIGTERM), 2 on bad input, 3 when the ranks fail at startup."""
+    import uvicorn
+
+    api_key = args.api_key or os.environ.get("CPCHAT_API_KEY") or None
+    front, sock = None, None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _shutdown)
+    try:
+        if not loopback(args.host) and api_key is None and not args.insecure:
+            raise BadInput(f"--host {args.host} reaches beyond this machine: give --api-key (or "
+                           "CPCHAT_API_KEY), or --insecure to serve anyone who can connect")
+        settings = resolve_settings(args)
+        sock = bind(args.host, args.port)
+        front = Frontend(settings, options, say=say)
+        front.start(DownloadLines())
+        cluster = front.cluster
+        assert cluster is not None
+        session = front.session_for([], raw=True)
+        model_id = settings.model or "demo"
+        defaults = GenerationParams(settings.max_tokens, settings.temp, settings.top_p, settings.seed)
+        service = Service(session, model_id, defaults, args.max_queue, args.max_request_bytes)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        say(f"{model_id} on {cluster.size} ranks ({', '.join(r.address for r in cluster.ranks)}); "
+            f"listening on http://{shown}:{port}/v1" + ("" if api_key is None else " (API key required)"))
+        config = uvicorn.Config(make_app(service, api_key), log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        uvicorn.Server(config).run(sockets=[sock])
+        return EXIT_OK
+    except Shutdown:
+        say("stopped")
+        return EXIT_OK
+    except BadInput as e:
+        say(str(e))
+        return EXIT_USAGE
+    except BackendError as e:
+        say(str(e))
+        return EXIT_BACKEND
+    finally:
+        if sock is not None:
+            sock.close()
+        if front is not None:
+            front.close(generating=True)

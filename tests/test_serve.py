@@ -1,0 +1,295 @@
+"""`cpchat serve` through real clients: the official `openai` package and curl against a real server
+on 2 real ranks (one server for the module), its answers compared with headless's."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from rankprocs import ranks_started_with, wait_gone
+
+from cpchat.serve.generation import StopText
+from cpchat.serve.openai_api import ApiError, GenerationParams, parse_chat
+
+KEY = "test-key-0123"
+QUEUE = 4
+MAX_BODY = 2_000_000
+DEFAULTS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0)
+AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+
+def http(url: str, body: bytes | None = None) -> tuple[int, dict]:
+    """A plain request (what a client that is not openai's sends): status and JSON body."""
+    request = urllib.request.Request(url, data=body, headers=AUTH, method="POST" if body else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+class Server:
+    def __init__(self, process: subprocess.Popen, url: str, lines: list[str]) -> None:
+        self.process, self.url, self.lines = process, url, lines
+
+    def client(self, key: str | None = KEY, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, **kwargs)
+
+    def health(self) -> dict:
+        return http(self.url + "/health")[1]
+
+    def until(self, condition, what: str, timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while not condition(health := self.health()):
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {health}"
+            time.sleep(0.05)
+        return health
+
+
+def start_server(args: list[str], env: dict | None = None) -> Server:
+    process = subprocess.Popen([sys.executable, "-m", "cpchat", "serve", "--port", "0", *args],
+                               stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    for line in process.stderr:
+        lines.append(line)
+        if found := re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", line):
+            break
+    else:
+        raise AssertionError(f"cpchat serve did not start: {''.join(lines)}")
+    threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True).start()
+    return Server(process, found.group(1), lines)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir) -> Path:
+    return model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    s = start_server(["--model", str(model), "--ranks", "2", "--api-key", KEY, "--max-queue", str(QUEUE),
+                      "--max-request-bytes", str(MAX_BODY), "--no-cache"])
+    ranks = ranks_started_with("--parent-pid", lambda value: value == str(s.process.pid))
+    assert len(ranks) == 2
+    yield s
+    s.process.send_signal(signal.SIGTERM)
+    assert s.process.wait(timeout=60) == 0, "".join(s.lines)
+    assert wait_gone(lambda: [p for p in ranks if p.is_running()]) == [], "ranks outlived the server"
+
+
+def headless(model: Path, prompt: str, max_tokens: int, raw: bool = False) -> list[dict]:
+    args = ["--headless", "--json", "--model", str(model), "--ranks", "2", "--max-tokens", str(max_tokens),
+            "--temp", "0", "--no-cache", "--prompt", prompt] + (["--raw"] if raw else [])
+    result = subprocess.run([sys.executable, "-m", "cpchat", *args], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    return [e for e in map(json.loads, result.stdout.splitlines()) if e["event"] == "token"]
+
+
+PROMPT = "Tell me about the quick brown fox."
+
+
+def test_answers_equal_the_headless_greedy_answer_token_for_token(server, model):
+    expected = headless(model, PROMPT, 8)
+    text = "".join(e["text"] for e in expected)
+    client = server.client()
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(model=str(model), messages=messages, max_tokens=8, temperature=0,
+                                           logprobs=True)
+    assert whole.choices[0].message.content == text
+    got = [(t.token, t.logprob) for t in whole.choices[0].logprobs.content]
+    assert [t for t, _ in got] == [e["text"] for e in expected]
+    assert [lp for _, lp in got] == pytest.approx([e["logprob"] for e in expected], abs=1e-4)
+    assert whole.usage.completion_tokens == len(expected)
+    assert whole.choices[0].finish_reason == ("length" if len(expected) == 8 else "stop")
+
+    chunks = list(client.chat.completions.create(model=str(model), messages=messages, max_tokens=8,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == len(expected) and not chunks[-1].choices
+
+    ids = json.loads(subprocess.run([sys.executable, "-c", "import sys; from cpchat.client.session import "
+                                     "load_tokenizer; print(load_tokenizer(sys.argv[1]).encode(sys.argv[2], "
+                                     "add_special_tokens=False))", str(model), PROMPT],
+                                    capture_output=True, text=True, check=True).stdout)
+    raw = headless(model, PROMPT, 6, raw=True)
+    completion = client.completions.create(model=str(model), prompt=ids, max_tokens=6, temperature=0)
+    assert completion.choices[0].text == "".join(e["text"] for e in raw)
+
+
+def test_a_long_system_prompt_is_prefilled_once(server, model):
+    client = server.client()
+    system = " ".join(f"Rule {i}: the fox is quick." for i in range(300))
+
+    def ask(question: str):
+        return client.chat.completions.create(model=str(model), max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": question}])
+
+    first, second = ask("What is the first rule?"), ask("And the last one?")
+    assert first.usage.prompt_tokens > 1500
+    reused = second.usage.prompt_tokens_details.cached_tokens
+    assert reused > 1500 and second.usage.prompt_tokens - reused < 30, second.usage
+    assert second.model_extra["timings"]["prompt_n"] == second.usage.prompt_tokens - reused
+
+
+def test_a_client_that_goes_away_frees_the_ranks(server, model):
+    before = server.health()["cancelled"]
+    client = server.client()
+    stream = client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": PROMPT}],
+                                            max_tokens=100_000, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    health = server.until(lambda h: not h["running"] and h["cancelled"] == before + 1, "the ranks freed")
+    assert health["held_tokens"] < 5_000, "the answer stopped soon after the client left"
+    answer = client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=3)
+    assert answer.usage.completion_tokens >= 1
+
+    # Without streaming too: a client that gives up waiting for the whole answer stops it
+    body = json.dumps({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 100_000,
+                       "ignore_eos": True})
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as s:
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+        server.until(lambda h: h["running"], "the answer under way")
+    server.until(lambda h: not h["running"] and h["cancelled"] == before + 2, "the ranks freed again")
+
+
+def test_what_is_refused_and_the_server_goes_on(server, model):
+    client = server.client()
+    user = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.AuthenticationError) as e:
+        server.client(key=None).chat.completions.create(model=str(model), messages=user)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").models.list()
+    status, bad = http(server.url + "/v1/chat/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in bad["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=str(model), messages=user, extra_body={"frobnicate": 1})
+    assert e.value.body["param"] == "frobnicate"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="acme/other", messages=user)
+    limit = client.models.list().data[0].model_extra["max_model_len"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=str(model), prompt=[7] * limit, max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded"
+    words = json.dumps({"prompt": "word " * (MAX_BODY // 4)}).encode()
+    status, big = http(server.url + "/v1/completions", words)
+    assert status == 413 and big["error"]["code"] == "request_too_large"
+    assert client.chat.completions.create(model=str(model), messages=user, max_tokens=2).choices[0].message
+
+
+def test_past_the_queue_bound_429_with_retry_after(server, model):
+    client = server.client(timeout=120)
+    busy = client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": PROMPT}],
+                                          max_tokens=100_000, stream=True, extra_body={"ignore_eos": True})
+    next(iter(busy))
+    answers: list = []
+    waiting = [threading.Thread(target=lambda: answers.append(client.chat.completions.create(
+        model=str(model), messages=[{"role": "user", "content": "Hi"}], max_tokens=2))) for _ in range(QUEUE)]
+    for i, thread in enumerate(waiting):
+        thread.start()
+        server.until(lambda h, i=i: h["waiting"] == i + 1, f"{i + 1} waiting")
+    with pytest.raises(openai.RateLimitError) as e:
+        client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": "Hi"}])
+    assert e.value.response.headers["retry-after"].isdigit()
+    busy.close()
+    for thread in waiting:
+        thread.join(timeout=120)
+    assert len(answers) == QUEUE, "every waiting request answered once the ranks were free"
+
+
+def test_fifty_requests_from_four_clients_all_answered_memory_flat(server, model):
+    client = server.client(timeout=300)
+    server.until(lambda h: not h["running"], "an idle server")
+    before = server.health()
+    answers: list = []
+
+    def ask(worker: int) -> None:
+        for i in range(worker, 50, 4):
+            answers.append((i, client.chat.completions.create(
+                model=str(model), max_tokens=3, messages=[{"role": "user", "content": f"Question {i}?"}])))
+
+    workers = [threading.Thread(target=ask, args=(w,)) for w in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=600)
+    assert sorted(i for i, _ in answers) == list(range(50)), "none lost"
+    assert all(a.usage.completion_tokens >= 1 for _, a in answers)
+    after = server.health()
+    assert after["served"] == before["served"] + 50
+    assert sum(r["kv_tokens"] for r in after["ranks"]) < 100, "the ranks hold one short conversation"
+    for old, new in zip(before["ranks"], after["ranks"], strict=True):
+        assert new["rss_bytes"] < old["rss_bytes"] * 1.25 + (32 << 20), (old, new)
+
+
+def test_the_event_stream_on_the_wire(server, model):
+    body = json.dumps({"model": str(model), "messages": [{"role": "user", "content": PROMPT}],
+                       "max_tokens": 4, "stream": True})
+    headers = [arg for name, value in AUTH.items() for arg in ("-H", f"{name}: {value}")]
+    result = subprocess.run(["curl", "-sSN", server.url + "/v1/chat/completions", *headers, "-d", body],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    events = result.stdout.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    data = [json.loads(e.removeprefix("data: ")) for e in events[:-2] if e.startswith("data: ")]
+    assert all(not e or e.startswith(("data: ", ":")) for e in events)
+    assert all(d["object"] == "chat.completion.chunk" and d["id"] == data[0]["id"] for d in data)
+    assert data[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert data[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_beyond_loopback_needs_a_key_and_a_taken_port_is_one_line(server):
+    for args, words in ((["--host", "0.0.0.0"], "give --api-key"),
+                        (["--port", server.url.rsplit(":", 1)[1]], "cannot listen on 127.0.0.1")):
+        env = {k: v for k, v in os.environ.items() if k != "CPCHAT_API_KEY"}
+        result = subprocess.run([sys.executable, "-m", "cpchat", "serve", *args], capture_output=True,
+                                text=True, timeout=60, env=env)
+        assert result.returncode == 2 and words in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_requests_are_read_as_openai_reads_them():
+    parts = [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]
+    request = parse_chat({"model": "m", "messages": [{"role": "developer", "content": parts},
+                                                     {"role": "user", "content": "Hi"}],
+                          "max_completion_tokens": 5, "stop": "\n", "seed": 3}, "m", DEFAULTS)
+    assert request.messages[0] == {"role": "system", "content": "Be brief."}
+    assert (request.params.max_tokens, request.params.stop, request.params.seed) == (5, ["\n"], 3)
+    user = [{"role": "user", "content": "x"}]
+    for body, param in (({"messages": []}, "messages"), ({"messages": user, "n": 2}, "n"),
+                        ({"messages": user, "temperature": 3}, "temperature"),
+                        ({"messages": user, "stop": ["a"] * 5}, "stop"),
+                        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0]")):
+        with pytest.raises(ApiError) as e:
+            parse_chat(body, "m", DEFAULTS)
+        assert e.value.status == 400 and e.value.param == param
+
+
+def test_stop_strings_hold_back_what_could_start_one():
+    stop = StopText(["END", "\n\n"])
+    pieces = [stop.add(t, -0.5) for t in ["The ", "answer", " E", "N", "D here"]]
+    assert [p.text for p in pieces] == ["The ", "answer", " ", "", ""]
+    assert stop.stopped and "".join(p.text for p in pieces) == "The answer "
+    assert [t for p in pieces for t, _ in p.tokens] == ["The ", "answer"]
+    going = StopText(["END"])
+    assert going.add("E", 0).text == "" and going.add("ast", 0).text == "East"
+    assert going.flush().text == "" and not going.stopped
