@@ -31,7 +31,10 @@ class Output:
         name = EVENT_NAMES.get(type(ev))
         if self.as_json:
             if name:
-                print(json.dumps({"event": name, **asdict(ev)}), flush=True)
+                fields = asdict(ev)
+                if isinstance(ev, Token) and not ev.top:
+                    del fields["top"]  # only the server asks for alternatives
+                print(json.dumps({"event": name, **fields}), flush=True)
         elif isinstance(ev, Token):
             sys.stdout.write(ev.text)
             sys.stdout.flush()

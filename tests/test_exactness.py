@@ -211,3 +211,27 @@ def test_a_stop_token_mid_answer_leaves_the_ranks_holding_what_they_read(cluster
     events = list(cluster.generate(GenerationRequest(more, keep_tokens=held, max_tokens=MAX_TOKENS)))
     assert_same([(e.id, e.logprob) for e in events if isinstance(e, TokenOut)],
                 reference_generate(path, ids + tokens[:cut] + more, MAX_TOKENS))
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_most_likely_tokens_are_mlx_lms(clusters, model_dir, ranks):
+    """Asked for alternatives (the server's top_logprobs), each step names mlx-lm's five most likely
+    tokens with their logprobs, whether a rank alone decodes ahead or the ranks agree on each token."""
+    import mlx.core as mx
+    import mlx_lm
+    from helpers import reference_model
+    from mlx_lm.sample_utils import make_sampler
+
+    path = model_dir("llama")
+    ids = random_prompt(path, 30, seed=13)
+    events = list(clusters.get(ranks, path).generate(GenerationRequest(ids, max_tokens=MAX_TOKENS,
+                                                                       top_logprobs=5)))
+    got = [e for e in events if isinstance(e, TokenOut)]
+    model, tokenizer = reference_model(path)
+    steps = list(mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=MAX_TOKENS,
+                                        sampler=make_sampler(0.0)))
+    assert [e.id for e in got] == [r.token for r in steps]
+    for event, step in zip(got, steps, strict=True):
+        best = mx.argsort(-step.logprobs)[:5].tolist()
+        assert [i for i, _ in event.top] == best
+        assert [lp for _, lp in event.top] == pytest.approx([step.logprobs[i].item() for i in best], abs=1e-3)

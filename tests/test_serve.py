@@ -20,6 +20,7 @@ import openai
 import pytest
 from rankprocs import ranks_started_with, wait_gone
 
+from cpchat.client.events import Token
 from cpchat.serve.generation import StopText
 from cpchat.serve.openai_api import ApiError, GenerationParams, parse_chat
 
@@ -107,11 +108,14 @@ def test_answers_equal_the_headless_greedy_answer_token_for_token(server, model)
     client = server.client()
     messages = [{"role": "user", "content": PROMPT}]
     whole = client.chat.completions.create(model=str(model), messages=messages, max_tokens=8, temperature=0,
-                                           logprobs=True)
+                                           logprobs=True, top_logprobs=3)
     assert whole.choices[0].message.content == text
-    got = [(t.token, t.logprob) for t in whole.choices[0].logprobs.content]
-    assert [t for t, _ in got] == [e["text"] for e in expected]
-    assert [lp for _, lp in got] == pytest.approx([e["logprob"] for e in expected], abs=1e-4)
+    content = whole.choices[0].logprobs.content
+    assert [t.token for t in content] == [e["text"] for e in expected]
+    assert [t.logprob for t in content] == pytest.approx([e["logprob"] for e in expected], abs=1e-4)
+    for t in content:  # greedy: the chosen token is the most likely one, and the rest follow in order
+        lps = [x.logprob for x in t.top_logprobs]
+        assert len(lps) == 3 and lps == sorted(lps, reverse=True) and lps[0] == pytest.approx(t.logprob)
     assert whole.usage.completion_tokens == len(expected)
     assert whole.choices[0].finish_reason == ("length" if len(expected) == 8 else "stop")
 
@@ -285,11 +289,14 @@ def test_requests_are_read_as_openai_reads_them():
 
 
 def test_stop_strings_hold_back_what_could_start_one():
+    def token(text: str) -> Token:
+        return Token(0, 1, text, -0.5)
+
     stop = StopText(["END", "\n\n"])
-    pieces = [stop.add(t, -0.5) for t in ["The ", "answer", " E", "N", "D here"]]
+    pieces = [stop.add(token(t)) for t in ["The ", "answer", " E", "N", "D here"]]
     assert [p.text for p in pieces] == ["The ", "answer", " ", "", ""]
     assert stop.stopped and "".join(p.text for p in pieces) == "The answer "
-    assert [t for p in pieces for t, _ in p.tokens] == ["The ", "answer"]
+    assert [t.text for p in pieces for t in p.tokens] == ["The ", "answer"]
     going = StopText(["END"])
-    assert going.add("E", 0).text == "" and going.add("ast", 0).text == "East"
+    assert going.add(token("E")).text == "" and going.add(token("ast")).text == "East"
     assert going.flush().text == "" and not going.stopped

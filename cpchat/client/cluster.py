@@ -739,7 +739,8 @@ def _request(g: GenerationRequest) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=g.request_id or uuid.uuid4().hex, keep_tokens=g.keep_tokens, tokens=g.tokens,
         algorithm=pb.Algorithm.Value(BY_NAME[g.algorithm].wire), max_tokens=g.max_tokens,
-        sampling=pb.Sampling(temperature=g.temperature, top_p=g.top_p, seed=g.seed),
+        sampling=pb.Sampling(temperature=g.temperature, top_p=g.top_p, seed=g.seed,
+                             top_logprobs=g.top_logprobs),
         stop_tokens=g.stop_tokens, decode=pb.Decode.Value(BY_NAME[g.decode].wire), save_prefix=g.save_prefix,
         keep_state_at=g.keep_state_at, shares=g.shares,
     )
@@ -751,7 +752,8 @@ def _event(e: pb.GenerateEvent) -> GenerationEvent:
         return LayerDone(e.progress.layer, e.progress.num_layers)
     if which == "prefill":
         return PrefillDone(e.prefill.ms, e.prefill.linear_layers, e.prefill.state_combine_ms)
-    return TokenOut(e.token.id, e.token.logprob)
+    top = tuple(zip(e.token.top_ids, e.token.top_logprobs, strict=True))
+    return TokenOut(e.token.id, e.token.logprob, top)
 
 
 def _rank_done(d: pb.GenerateDone) -> RankDone:

@@ -65,6 +65,7 @@ class Token:
     id: int
     text: str
     logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and theirs, when asked (the server)
 
 
 @dataclass

@@ -21,6 +21,7 @@ class GenerationRequest:
     save_prefix: bool = False  # the ranks save what they hold after the answer (the prefix cache)
     keep_state_at: int = 0  # linear layers also keep their state after this many of `tokens` (0: no)
     shares: tuple[int, ...] = ()  # each rank's share of `tokens` (cpchat.core.sharding); empty: equal
+    top_logprobs: int = 0  # each token also names this many most likely tokens, with theirs
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class PrefillDone:
 class TokenOut:
     id: int
     logprob: float  # under the full, untempered distribution
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens at this step, if asked, best first
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ class SamplingOptions:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, tests)
+    top_logprobs: int = 0  # each token also names this many most likely tokens
 
 
 @dataclass
@@ -403,6 +404,7 @@ class Session:
             save_prefix=self.prefix_cache and len(full) - self.saved >= self.save_min_tokens,
             keep_state_at=max(documents_end - keep, 0) if self.prefix_cache and linear else 0,
             shares=shares or (),
+            top_logprobs=self.sampling.top_logprobs,
         )
         turn = self.turn_index
         detok = self.tokenizer.detokenizer
@@ -433,7 +435,7 @@ class Session:
                 t_first = t_first or t_last
                 generated.append(event.id)
                 detok.add_token(event.id)
-                yield Token(turn, event.id, detok.last_segment, event.logprob)
+                yield Token(turn, event.id, detok.last_segment, event.logprob, event.top)
             elif isinstance(event, GenerationDone):
                 done = event.done
         self.held = (full + generated)[: done.cached_tokens]

@@ -157,14 +157,16 @@ class CalibrateReply(_message.Message):
     def __init__(self, flops_per_s: _Optional[float] = ..., ring_bytes_per_s: _Optional[float] = ..., prefill_fixed_s: _Optional[float] = ..., prefill_per_token_s: _Optional[float] = ..., prefill_per_pair_s: _Optional[float] = ..., prefill_per_masked_pair_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., link_latency_s: _Optional[_Iterable[float]] = ..., exchange_latency_s: _Optional[float] = ..., forward_fixed_bytes: _Optional[float] = ..., forward_per_token_bytes: _Optional[float] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "seed")
+    __slots__ = ("temperature", "top_p", "seed", "top_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens", "decode", "save_prefix", "keep_state_at", "shares")
@@ -223,12 +225,16 @@ class PrefillDone(_message.Message):
     def __init__(self, ms: _Optional[float] = ..., linear_layers: _Optional[str] = ..., state_combine_ms: _Optional[float] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("id", "logprob")
+    __slots__ = ("id", "logprob", "top_ids", "top_logprobs")
     ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     id: int
     logprob: float
-    def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateDone(_message.Message):
     __slots__ = ("kv_tokens", "kv_bytes", "rss_bytes", "cached_tokens", "cancelled", "keep_floor", "state_bytes", "state_positions")

@@ -265,9 +265,12 @@ def _shares(req: pb.GenerateRequest) -> Shares | None:
     return tuple(req.shares) or None
 
 
-def sample(logits: mx.array, sampling: pb.Sampling, index: int) -> tuple[mx.array, mx.array]:
+MAX_TOP_LOGPROBS = 20
+
+
+def sample(logits: mx.array, sampling: pb.Sampling, index: int) -> list[mx.array]:
     """The next token and its log-probability under the untempered distribution, as arrays of one
-    element (a graph, until evaluated)."""
+    element (a graph, until evaluated); then, if asked, the most likely tokens and theirs."""
     from mlx_lm.sample_utils import make_sampler
 
     logits = logits.astype(mx.float32)
@@ -276,7 +279,22 @@ def sample(logits: mx.array, sampling: pb.Sampling, index: int) -> tuple[mx.arra
         mx.random.seed((sampling.seed * 1_000_003 + index) % (1 << 32))
     top_p = sampling.top_p if 0 < sampling.top_p < 1 else 0.0
     token = make_sampler(sampling.temperature, top_p)(logprobs[None])
-    return token, logprobs[token]
+    k = min(sampling.top_logprobs, MAX_TOP_LOGPROBS, logprobs.size)
+    if not k:
+        return [token, logprobs[token]]
+    top = mx.argpartition(-logprobs, k - 1)[:k]
+    top = top[mx.argsort(-logprobs[top])]
+    return [token, logprobs[token], top.astype(mx.uint32), logprobs[top]]
+
+
+def token_event(sampled: list[mx.array]) -> pb.TokenEvent:
+    """`sample`'s arrays (evaluated here) as the event a rank emits."""
+    token, logprob, *top = sampled
+    event = pb.TokenEvent(id=int(token.item()), logprob=float(logprob.item()))
+    if top:
+        event.top_ids.extend(top[0].tolist())
+        event.top_logprobs.extend(top[1].tolist())
+    return event
 
 
 def _covers(new: dict, old: dict) -> bool:
@@ -464,7 +482,7 @@ class Engine:
         return logits if ring.rank == 0 else None
 
     def _answer(self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, emit,
-                first: tuple[int, float], stop: set[int], quantize_by: Callable[[int], None]) -> int:
+                first: pb.TokenEvent, stop: set[int], quantize_by: Callable[[int], None]) -> int:
         """Emit the first token and decode the rest; the last token (emitted, or the stop token).
         A rank alone runs as mlx-lm's generate_step does: the step after next is built from the next
         token before that token is known, so building one step overlaps evaluating the other, and a
@@ -472,17 +490,18 @@ class Engine:
         token from the sampling rank before they step (linear layers' states keep that order too)."""
         pipelined = ring.size == 1 and not self.info.linear
 
-        def step(previous: int | mx.array, index: int) -> tuple[mx.array, mx.array]:
+        def step(previous: int | mx.array, index: int) -> list[mx.array]:
             quantize_by(self.total_tokens)
             pending = sample(self._decode(req, ring, abort, previous, evaluate=False), req.sampling, index)
             mx.async_eval(*pending)
             return pending
 
-        (token, logprob), ahead = first, None  # ahead: the step that gives token index + 1, under way
+        event, ahead = first, None  # ahead: the step that gives token index + 1, under way
         for index in range(req.max_tokens):
+            token = event.id
             if token in stop:
                 break
-            emit(pb.GenerateEvent(token=pb.TokenEvent(id=token, logprob=logprob)))
+            emit(pb.GenerateEvent(token=event))
             if index + 1 >= req.max_tokens:
                 break
             if abort.is_set():
@@ -491,16 +510,16 @@ class Engine:
                 ahead = step(token, index + 1) if ahead is None else ahead
                 following = step(ahead[0], index + 2) if index + 2 < req.max_tokens else None
                 self.tokens = np.append(self.tokens, np.uint32(token))
-                (token, logprob), ahead = (a.item() for a in ahead), following
+                event, ahead = token_event(ahead), following
             else:
                 quantize_by(self.total_tokens)
                 logits = self._decode(req, ring, abort, token)
                 self.tokens = np.append(self.tokens, np.uint32(token))
-                token, logprob = self._agree(req, ring, abort, 0, index + 1, logits)
+                event = self._agree(req, ring, abort, 0, index + 1, logits)
         if ahead is not None:  # built from a stop token: its K/V go
             self.total_tokens -= 1
             self.kv.truncate(self.total_tokens)
-        return token
+        return event.id
 
     @staticmethod
     def _decode_threads(req: pb.GenerateRequest, ring: Ring) -> contextlib.AbstractContextManager:
@@ -602,14 +621,14 @@ class Engine:
                 self.keep_floor = start  # a roll back still needs the window before `start`
                 self._forget_outside_windows(prompt_end, rollback_to=start)
             source = owner_of(len(tokens) - 1, len(tokens), ring.size, _shares(req))
-            token, logprob = self._agree(req, ring, abort, source, 0, logits)
+            first = self._agree(req, ring, abort, source, 0, logits)
             combine_ms = sum(t.wait_ms + t.compute_ms for t in self.last_timings  # what the ring added
                              if t.layer in self.info.linear and t.step != linear_layers.RUN_STEP)
             emit(pb.GenerateEvent(prefill=pb.PrefillDone(ms=1000 * (time.perf_counter() - t0),
                                                          linear_layers=self.linear_summary(ring.size),
                                                          state_combine_ms=combine_ms)))
             with self._decode_threads(req, ring):
-                token = self._answer(req, ring, abort, emit, (token, logprob), stop, quantize_by)
+                token = self._answer(req, ring, abort, emit, first, stop, quantize_by)
             if self.slides:
                 self._forget_outside_windows(prompt_end, rollback_to=prompt_end)
                 self.keep_floor = prompt_end
@@ -695,13 +714,14 @@ class Engine:
         own = Entry(self.cache.path(prefix, ring.rank, num_ranks), header)
         self.origin = own if same and header["tokens"] == tokens else None
 
-    def _agree(self, req, ring: Ring, abort, source: int, index: int, logits) -> tuple[int, float]:
+    def _agree(self, req, ring: Ring, abort, source: int, index: int, logits) -> pb.TokenEvent:
         """The source rank samples and sends the token to every other rank at once."""
         key = BlockKey(req.request_id, 0, index, pb.TOKEN)
         if ring.rank == source:
-            token, logprob = (a.item() for a in sample(logits, req.sampling, index))
+            sampled = sample(logits, req.sampling, index)
+            mx.eval(sampled)
             if ring.size > 1:
-                ring.send_all(key, [mx.array([token], mx.int32), mx.array([logprob], mx.float32)], ring.peers)
-            return token, logprob
-        (token_a, logprob_a), _ = ring.take(key, abort, source)
-        return int(token_a.item()), float(logprob_a.item())
+                ring.send_all(key, [a.reshape(-1) for a in sampled], ring.peers)
+            return token_event(sampled)
+        arrays, _ = ring.take(key, abort, source)
+        return token_event([a.reshape(()) if i < 2 else a for i, a in enumerate(arrays)])

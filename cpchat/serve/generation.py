@@ -62,7 +62,7 @@ class Piece:
     """What the client is sent next: text, and the tokens whose text it completes."""
 
     text: str
-    tokens: list[tuple[str, float]] = field(default_factory=list)
+    tokens: list[Token] = field(default_factory=list)
 
 
 class StopText:
@@ -73,12 +73,12 @@ class StopText:
         self.stops = stops
         self.text = ""  # everything generated
         self.sent = 0  # of it, characters sent
-        self.tokens: list[tuple[str, float, int]] = []  # (text, logprob, end offset) not sent yet
+        self.tokens: list[tuple[Token, int]] = []  # not sent yet, with the offset where each ends
         self.stopped = False
 
-    def add(self, text: str, logprob: float) -> Piece:
-        self.text += text
-        self.tokens.append((text, logprob, len(self.text)))
+    def add(self, token: Token) -> Piece:
+        self.text += token.text
+        self.tokens.append((token, len(self.text)))
         found = [i for s in self.stops if (i := self.text.find(s, self.sent)) >= 0]
         if found:
             self.stopped = True
@@ -91,8 +91,8 @@ class StopText:
 
     def _send(self, upto: int) -> Piece:
         upto = max(upto, self.sent)
-        done = [(t, lp) for t, lp, end in self.tokens if end <= upto]
-        self.tokens = [x for x in self.tokens if x[2] > upto]
+        done = [t for t, end in self.tokens if end <= upto]
+        self.tokens = [x for x in self.tokens if x[1] > upto]
         piece = Piece(self.text[self.sent:upto], done)
         self.sent = upto
         return piece
@@ -116,8 +116,9 @@ class Generation:
         self._done = asyncio.Event()
 
     def start(self) -> None:
-        s, p = self.session, self.params
-        s.sampling = SamplingOptions(p.max_tokens, p.temperature, p.top_p, p.seed, p.ignore_eos)
+        p = self.params
+        self.session.sampling = SamplingOptions(p.max_tokens, p.temperature, p.top_p, p.seed, p.ignore_eos,
+                                                p.top_logprobs)
         self._thread.start()
 
     def _produce(self) -> None:
@@ -143,7 +144,7 @@ class Generation:
                 self.outcome.cached_tokens, self.outcome.algorithm = event.reused_tokens, event.algorithm
             elif isinstance(event, Token) and not self.stop.stopped:
                 generated += 1
-                piece = self.stop.add(event.text, event.logprob)
+                piece = self.stop.add(event)
                 if self.stop.stopped:
                     await asyncio.to_thread(self.session.cancel)
                 if piece.text or piece.tokens:

@@ -13,7 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 
 MAX_STOPS = 4  # as OpenAI
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs, as OpenAI
 
 
 class ApiError(Exception):
@@ -40,6 +41,7 @@ class GenerationParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs, this many most likely tokens too
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
@@ -73,16 +75,18 @@ def parse_chat(body: object, model: str, defaults: GenerationParams) -> ChatRequ
     chat = [_message(m, i) for i, m in enumerate(messages)]
     if chat[-1]["role"] == "assistant":
         raise ApiError(400, "the last message is the assistant's: nothing to answer", param="messages")
-    top = data.get("top_logprobs")
-    if top not in (None, 0):
-        raise ApiError(400, "top_logprobs is not supported: the ranks report the chosen token's "
-                            "log-probability (logprobs: true)", param="top_logprobs")
     logprobs = data.get("logprobs", False)
     if not isinstance(logprobs, bool):
         raise ApiError(400, "logprobs must be true or false", param="logprobs")
+    top = data.get("top_logprobs") or 0
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS}",
+                       param="top_logprobs")
+    if top and not logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if "max_completion_tokens" in data:
         data["max_tokens"] = data["max_completion_tokens"]
-    return ChatRequest(chat, _params(data, defaults, logprobs))
+    return ChatRequest(chat, _params(data, defaults, logprobs, top))
 
 
 def parse_completion(body: object, model: str, defaults: GenerationParams) -> CompletionRequest:
@@ -96,11 +100,12 @@ def parse_completion(body: object, model: str, defaults: GenerationParams) -> Co
         raise ApiError(400, "prompt must be a non-empty string or array of token ids", param="prompt")
     if data.get("echo"):
         raise ApiError(400, "echo is not supported", param="echo")
-    logprobs = data.get("logprobs")
-    if logprobs is not None and (isinstance(logprobs, bool) or logprobs != 0):
-        raise ApiError(400, "logprobs above 0 (top alternatives) is not supported: 0 reports the chosen "
-                            "token's log-probability", param="logprobs")
-    return CompletionRequest(prompt, _params(data, defaults, logprobs == 0))
+    logprobs = data.get("logprobs")  # the legacy API's: how many alternatives (0: the chosen token's only)
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS):
+        raise ApiError(400, f"logprobs must be a whole number from 0 to {MAX_COMPLETION_LOGPROBS}",
+                       param="logprobs")
+    return CompletionRequest(prompt, _params(data, defaults, logprobs is not None, logprobs or 0))
 
 
 def _fields(body: object, allowed: set[str], model: str) -> dict:
@@ -136,7 +141,7 @@ def _message(message: object, index: int) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
-def _params(data: dict, defaults: GenerationParams, logprobs: bool) -> GenerationParams:
+def _params(data: dict, defaults: GenerationParams, logprobs: bool, top: int) -> GenerationParams:
     def number(name: str, kind: type, low: float, high: float, default):
         value = data.get(name)
         if value is None:
@@ -161,7 +166,7 @@ def _params(data: dict, defaults: GenerationParams, logprobs: bool) -> Generatio
         temperature=number("temperature", float, 0, 2, defaults.temperature),
         top_p=number("top_p", float, 0, 1, defaults.top_p),
         seed=number("seed", int, -(1 << 63), (1 << 63) - 1, defaults.seed),
-        stop=stop, logprobs=logprobs, ignore_eos=bool(data.get("ignore_eos", False)),
+        stop=stop, logprobs=logprobs, top_logprobs=top, ignore_eos=bool(data.get("ignore_eos", False)),
         stream=bool(data.get("stream", False)), include_usage=bool(options.get("include_usage", False)),
     )
 
@@ -198,18 +203,31 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def chat_logprobs(tokens: list[tuple[str, float]]) -> dict:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in tokens]}
+@dataclass
+class TokenLogprob:
+    """A generated token's text and log-probability, and the most likely tokens' when asked."""
+
+    text: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
 
 
-def completion_logprobs(tokens: list[tuple[str, float]], offset: int = 0) -> dict:
+def chat_logprobs(tokens: list[TokenLogprob]) -> dict:
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [entry(t.text, t.logprob) | {"top_logprobs": [entry(*x) for x in t.top]}
+                        for t in tokens]}
+
+
+def completion_logprobs(tokens: list[TokenLogprob], offset: int = 0) -> dict:
     offsets, at = [], offset
-    for text, _ in tokens:
+    for t in tokens:
         offsets.append(at)
-        at += len(text)
-    return {"tokens": [t for t, _ in tokens], "token_logprobs": [lp for _, lp in tokens],
-            "top_logprobs": None, "text_offset": offsets}
+        at += len(t.text)
+    top = [dict(t.top) for t in tokens] if any(t.top for t in tokens) else None
+    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": top, "text_offset": offsets}
 
 
 def chat_response(rid: str, model: str, text: str, outcome: Outcome, logprobs: list | None) -> dict:

@@ -27,7 +27,7 @@ from starlette.routing import Route
 from cpchat import EXIT_BACKEND, EXIT_OK, EXIT_USAGE
 from cpchat.checkpoints.resolve import DownloadLines
 from cpchat.client.connect import ClusterOptions
-from cpchat.client.events import Progress
+from cpchat.client.events import Progress, Token
 from cpchat.client.frontend import Frontend
 from cpchat.client.session import Session
 from cpchat.client.settings import resolve_settings
@@ -36,6 +36,7 @@ from cpchat.serve.generation import Generation, Piece, RankQueue
 from cpchat.serve.openai_api import (
     ApiError,
     GenerationParams,
+    TokenLogprob,
     chat_chunk,
     chat_response,
     completion_chunk,
@@ -116,10 +117,23 @@ class Service:
         say(f"{kind}: {o.prompt_tokens:,} prompt tokens ({o.cached_tokens:,} reused), "
             + (end if generation.finished else "stopped: the client went away"))
 
-    async def collect(self, request: Request, generation: Generation) -> tuple[str, list]:
+    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        """The messages through the model's chat template, as the ranks will read them."""
+        try:
+            return list(self.session.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        except Exception as e:  # a template's own refusal (e.g. no system role), in Jinja's words
+            raise ApiError(400, f"the model's chat template refused these messages: {e}",
+                           param="messages") from None
+
+    def logprobs(self, tokens: list[Token]) -> list[TokenLogprob]:
+        """Tokens as the logprobs fields name them: each alternative by its own text."""
+        decode = self.session.tokenizer.decode
+        return [TokenLogprob(t.text, t.logprob, [(decode([i]), lp) for i, lp in t.top]) for t in tokens]
+
+    async def collect(self, request: Request, generation: Generation) -> tuple[str, list[Token]]:
         """The whole answer, stopping the ranks if the client goes away before it is done."""
         text: list[str] = []
-        tokens: list[tuple[str, float]] = []
+        tokens: list[Token] = []
 
         async def read() -> None:
             async for piece in generation.pieces():
@@ -166,7 +180,7 @@ def sse(data: object) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-async def stream(generation: Generation, chunk: Callable[..., dict], first: dict | None
+async def stream(service: Service, generation: Generation, chunk: Callable[..., dict], first: dict | None
                  ) -> AsyncIterator[str]:
     """A generation as server-sent events: `chunk(text or delta, finish, logprobs, usage, offset)` shapes
     each. Prefill progress goes as comments (clients skip them; a client gone shows the sooner)."""
@@ -179,7 +193,8 @@ async def stream(generation: Generation, chunk: Callable[..., dict], first: dict
                 yield f": prefill {piece.processed}/{piece.total - piece.cached}\n\n"
                 continue
             body = {"content": piece.text} if first is not None else piece.text
-            yield sse(chunk(body, logprobs=piece.tokens if params.logprobs else None, offset=offset))
+            logprobs = service.logprobs(piece.tokens) if params.logprobs else None
+            yield sse(chunk(body, logprobs=logprobs, offset=offset))
             offset += len(piece.text)
     except ApiError as e:
         yield sse(e.body())
@@ -204,20 +219,20 @@ def make_app(service: Service, api_key: str | None) -> Starlette:
     async def chat(request: Request) -> Response:
         authorised(request)
         req = parse_chat(await service.read_json(request), service.model_id, service.defaults)
-        tokens = list(service.session.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True))
+        tokens = service.chat_tokens(req.messages)
         generation = await service.start(tokens, req.params)
         rid, model = new_id("chatcmpl"), service.model_id
         if req.params.stream:
             def chunk(delta, finish=None, logprobs=None, usage=None, offset=0):
                 return chat_chunk(rid, model, delta, finish, logprobs, usage)
-            return EventStream(stream(generation, chunk, {"role": "assistant", "content": ""}),
+            return EventStream(stream(service, generation, chunk, {"role": "assistant", "content": ""}),
                                lambda: service.finish(generation, "chat"))
         try:
             text, tokens = await service.collect(request, generation)
         finally:
             await service.finish(generation, "chat")
         return JSONResponse(chat_response(rid, model, text, generation.outcome,
-                                          tokens if req.params.logprobs else None))
+                                          service.logprobs(tokens) if req.params.logprobs else None))
 
     async def completions(request: Request) -> Response:
         authorised(request)
@@ -229,14 +244,14 @@ def make_app(service: Service, api_key: str | None) -> Starlette:
         if req.params.stream:
             def chunk(text, finish=None, logprobs=None, usage=None, offset=0):
                 return completion_chunk(rid, model, text, finish, logprobs, usage, offset)
-            return EventStream(stream(generation, chunk, None),
+            return EventStream(stream(service, generation, chunk, None),
                                lambda: service.finish(generation, "completion"))
         try:
             text, tokens = await service.collect(request, generation)
         finally:
             await service.finish(generation, "completion")
         return JSONResponse(completion_response(rid, model, text, generation.outcome,
-                                                tokens if req.params.logprobs else None))
+                                                service.logprobs(tokens) if req.params.logprobs else None))
 
     async def models(request: Request) -> Response:
         authorised(request)
@@ -252,6 +267,11 @@ def make_app(service: Service, api_key: str | None) -> Starlette:
         assert isinstance(error, ApiError)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
+    async def internal_error(request: Request, error: Exception) -> Response:
+        say(f"internal error on {request.url.path}: {type(error).__name__}: {error}")
+        body = ApiError(500, f"internal error: {type(error).__name__}", kind="server_error").body()
+        return JSONResponse(body, status_code=500)
+
     async def http_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, HTTPException)
         body = ApiError(error.status_code, str(error.detail)).body()
@@ -262,7 +282,7 @@ def make_app(service: Service, api_key: str | None) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-    ], exception_handlers={ApiError: api_error, HTTPException: http_error})
+    ], exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})
 
 
 class Shutdown(Exception):
