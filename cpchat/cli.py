@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 
 from cpchat import EXIT_BACKEND, EXIT_OK, EXIT_USAGE, __version__, blas
 from cpchat.client.cluster import TRANSPORTS
-from cpchat.client.connect import ClusterOptions, read_bytes, read_token
+from cpchat.client.connect import ClusterOptions, is_loopback, read_bytes, read_token
 from cpchat.core.algorithms import ALGORITHMS
 from cpchat.core.quantized_kv import BITS, GROUP_SIZES
 from cpchat.errors import BadInput
@@ -275,15 +274,6 @@ def run_cache(argv: list[str]) -> int:
     return EXIT_OK
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def use_blas(choice: str, threads: int, argv: list[str]) -> None:
     """Re-execute this rank with the chosen BLAS preloaded and its threads set, unless it already
     has them (see cpchat/blas.py)."""
@@ -334,8 +324,9 @@ def memory_size(text: str | None) -> int | None:
         raise UsageError(f"--memory-limit: {e}") from None
 
 
-def print_config(args: argparse.Namespace) -> int:
-    """`cpchat --print-config`: every setting, its value, and where the value came from."""
+def print_from_settings(args: argparse.Namespace) -> int:
+    """`cpchat --print-config`: every setting, its value, and where the value came from; or
+    `--list-models`: the models the picker lists (in the settings' model folders), a table or JSON lines."""
     from cpchat.client.settings import format_config, resolve_settings
 
     try:
@@ -343,28 +334,15 @@ def print_config(args: argparse.Namespace) -> int:
     except BadInput as e:
         print(f"cpchat: {e}", file=sys.stderr)
         return EXIT_USAGE
-    print(format_config(settings))
-    return EXIT_OK
-
-
-def list_models(args: argparse.Namespace) -> int:
-    """`cpchat --list-models`: what the model picker lists, as a table or JSON lines."""
+    if not args.list_models:
+        print(format_config(settings))
+        return EXIT_OK
     import json
 
     from cpchat.client.models import format_table, local_models, model_dirs
-    from cpchat.client.settings import resolve_settings
 
-    try:
-        settings = resolve_settings(args)
-    except BadInput as e:
-        print(f"cpchat: {e}", file=sys.stderr)
-        return EXIT_USAGE
     models = local_models(model_dirs(settings.model_dirs))
-    if args.json:
-        for model in models:
-            print(json.dumps(model.as_json()))
-    else:
-        print(format_table(models))
+    print("\n".join(json.dumps(m.as_json()) for m in models) if args.json else format_table(models))
     return EXIT_OK
 
 
@@ -401,10 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         from cpchat.dirs import data_dir
 
         return print_conversations(data_dir() / "transcripts")
-    if args.print_config:
-        return print_config(args)
-    if args.list_models:
-        return list_models(args)
+    if args.print_config or args.list_models:
+        return print_from_settings(args)
     if args.headless:
         from cpchat.headless import run_headless
 

@@ -50,6 +50,17 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def write_foreign_gguf(path: Path, arch: str = "bert") -> Path:
+    """A GGUF of an architecture cpchat does not convert: one tensor, no metadata of its own."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def write_gguf(model: Path, out: Path, ggml_type: str | dict[str, str] = "F32", pre: str = "gpt-2",
                metadata: dict | None = None) -> Path:
     """`model` (a float32 mlx-lm directory) as a GGUF file with its matrices in `ggml_type`: one type,

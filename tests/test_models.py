@@ -13,10 +13,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import gguf
-import numpy as np
 import pytest
-from ggufs import write_gguf
+from ggufs import write_foreign_gguf, write_gguf
 from textual.widgets import OptionList
 
 from cpchat.client.models import LocalModel, format_table, local_models, model_dirs
@@ -25,17 +23,6 @@ from cpchat.tui.app import CpchatApp
 from cpchat.tui.chat import ChatScreen
 from cpchat.tui.screens import ModelPicker
 from cpchat.tui.widgets import ChatInput
-
-
-def _bert_gguf(path: Path) -> Path:
-    """A GGUF of an architecture cpchat does not convert."""
-    w = gguf.GGUFWriter(str(path), "bert")
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +53,7 @@ def machine(tmp_path_factory, model_dir, checkpoint):
     shutil.copytree(checkpoint("bfloat16"), folder / "demo-bf16")
     write_gguf(model_dir("llama"), folder / "llama-q8.gguf", "Q8_0")
     (folder / "more").mkdir()
-    _bert_gguf(folder / "more" / "bert.gguf")
+    write_foreign_gguf(folder / "more" / "bert.gguf")
 
     ollama = root / "ollama"
     blob = ollama / "blobs" / ("sha256-" + "a" * 64)

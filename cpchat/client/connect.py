@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 import stat
@@ -97,3 +98,13 @@ def launch_over_ssh(options: ClusterOptions, token: str, threads: int | None = N
     except LaunchError as e:
         raise BackendError(str(e)) from None
     return Cluster([r.address for r in ranks], token=token, local=ranks, transport=options.transport)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an address to listen on reaches this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -9,10 +9,11 @@ architecture cpchat converts (the converter's own check). What depends on the la
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from cpchat.checkpoints import CheckpointError
@@ -67,7 +68,7 @@ def local_models(folders: list[Path]) -> list[LocalModel]:
 
 def demo() -> LocalModel:
     path, _ = demo_model()
-    return replace_name(mlx_model(path, "demo"), "")
+    return renamed(mlx_model(path, "demo"), "")
 
 
 def named_models() -> Iterator[LocalModel]:
@@ -75,7 +76,7 @@ def named_models() -> Iterator[LocalModel]:
     for name, named in NAMED.items():
         gguf = cache_dir() / "models" / name / Path(named.member).name
         if gguf.is_file():
-            yield replace_name(gguf_model(gguf, "named"), name)
+            yield renamed(gguf_model(gguf, "named"), name)
         else:
             yield LocalModel(name, "named", path="downloads on first use")
 
@@ -102,7 +103,7 @@ def hub_models(cache: Path) -> Iterator[LocalModel]:
         name = "/".join(repo.name.split("--")[1:])
         model = mlx_model(snapshot, "hub", name)
         if any((repo / "blobs").glob("*.incomplete")) and model.runs:
-            model = replace_problem(model, "incomplete: a download did not finish")
+            model = replace(model, problem="incomplete: a download did not finish")
         yield model
 
 
@@ -135,7 +136,7 @@ def ollama_models() -> Iterator[LocalModel]:
             blob = store / "blobs" / digest.replace(":", "-")
             spec = f"ollama:{name}:{tag}"
             if blob.is_file():
-                yield replace_name(gguf_model(blob, "ollama"), spec)
+                yield renamed(gguf_model(blob, "ollama"), spec)
             else:
                 yield LocalModel(spec, "ollama", problem=f"incomplete: its blob {blob.name} is missing")
 
@@ -198,9 +199,7 @@ def tensor_counts(files: list[Path], bits: int | None) -> tuple[int, dict[str, i
         for key, tensor in header.items():
             if key == "__metadata__" or key.endswith((".scales", ".biases")):
                 continue
-            count = 1
-            for d in tensor["shape"]:
-                count *= d
+            count = math.prod(tensor["shape"])
             if bits and tensor["dtype"] == "U32":
                 count = count * 32 // bits
             params += count
@@ -213,11 +212,12 @@ def mlx_lm_refusal(config: dict) -> str:
     """Why mlx-lm (on every rank) would refuse this config's model type: its own check."""
     from mlx_lm.utils import _get_classes
 
+    if "model_type" not in config:
+        return "config.json names no model_type"
     try:
         _get_classes(config)
-    except (ValueError, KeyError) as e:
-        return f"mlx-lm {_mlx_lm_version()} has no model type {config.get('model_type', '(none)')!r}" \
-            if isinstance(e, ValueError) else "config.json names no model_type"
+    except ValueError:
+        return f"mlx-lm {_mlx_lm_version()} has no model type {config['model_type']!r}"
     return ""
 
 
@@ -232,11 +232,11 @@ def gguf_model(path: Path, source: str) -> LocalModel:
     except CheckpointError as e:
         return LocalModel(str(path), source, size_bytes=size, problem=str(e))
     try:
-        params = sum(_elements(t.shape) for t in f.tensors.values())
+        params = sum(math.prod(t.shape) for t in f.tensors.values())
         kinds: dict[str, int] = {}
         for t in f.tensors.values():
             if len(t.shape) > 1:  # the weight matrices' type names the form; norms stay float32
-                kinds[t.ggml_type.name] = kinds.get(t.ggml_type.name, 0) + _elements(t.shape)
+                kinds[t.ggml_type.name] = kinds.get(t.ggml_type.name, 0) + math.prod(t.shape)
         try:
             config = mlx_config(f)
             arch, problem = config["model_type"], mlx_lm_refusal(config)
@@ -248,25 +248,15 @@ def gguf_model(path: Path, source: str) -> LocalModel:
         f.close()
 
 
-def _elements(shape: tuple[int, ...]) -> int:
-    count = 1
-    for d in shape:
-        count *= d
-    return count
-
-
 def _mlx_lm_version() -> str:
     from importlib.metadata import version
 
     return version("mlx-lm")
 
 
-def replace_name(model: LocalModel, name: str) -> LocalModel:
-    return LocalModel(**{**asdict(model), "name": name, "path": model.path or model.name})
-
-
-def replace_problem(model: LocalModel, problem: str) -> LocalModel:
-    return LocalModel(**{**asdict(model), "problem": problem})
+def renamed(model: LocalModel, name: str) -> LocalModel:
+    """`model` under the name --model takes for it, its file kept as its path."""
+    return replace(model, name=name, path=model.path or model.name)
 
 
 # ---- the table

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import os
 import secrets
@@ -26,7 +25,7 @@ from starlette.routing import Route
 
 from cpchat import EXIT_BACKEND, EXIT_OK, EXIT_USAGE
 from cpchat.checkpoints.resolve import DownloadLines
-from cpchat.client.connect import ClusterOptions
+from cpchat.client.connect import ClusterOptions, is_loopback
 from cpchat.client.events import Progress, Token
 from cpchat.client.frontend import Frontend
 from cpchat.client.session import Session
@@ -108,6 +107,28 @@ class Service:
             self.queue.release(cancelled=False)
             raise
         return generation
+
+    async def answer(self, request: Request, tokens: list[int], params: GenerationParams, chat: bool
+                     ) -> Response:
+        """Run the generation and answer with it: chunk by chunk as events, or whole."""
+        generation = await self.start(tokens, params)
+        kind = "chat" if chat else "completion"
+        rid, model = new_id("chatcmpl" if chat else "cmpl"), self.model_id
+        if params.stream:
+            def chunk(body, finish=None, logprobs=None, usage=None, offset=0) -> dict:
+                if chat:
+                    return chat_chunk(rid, model, body, finish, logprobs, usage)
+                return completion_chunk(rid, model, body, finish, logprobs, usage, offset)
+
+            first = {"role": "assistant", "content": ""} if chat else None
+            return EventStream(stream(self, generation, chunk, first), lambda: self.finish(generation, kind))
+        try:
+            text, tokens = await self.collect(request, generation)
+        finally:
+            await self.finish(generation, kind)
+        whole = chat_response if chat else completion_response
+        logprobs = self.logprobs(tokens) if params.logprobs else None
+        return JSONResponse(whole(rid, model, text, generation.outcome, logprobs))
 
     async def finish(self, generation: Generation, kind: str) -> None:
         await generation.close()
@@ -219,39 +240,14 @@ def make_app(service: Service, api_key: str | None) -> Starlette:
     async def chat(request: Request) -> Response:
         authorised(request)
         req = parse_chat(await service.read_json(request), service.model_id, service.defaults)
-        tokens = service.chat_tokens(req.messages)
-        generation = await service.start(tokens, req.params)
-        rid, model = new_id("chatcmpl"), service.model_id
-        if req.params.stream:
-            def chunk(delta, finish=None, logprobs=None, usage=None, offset=0):
-                return chat_chunk(rid, model, delta, finish, logprobs, usage)
-            return EventStream(stream(service, generation, chunk, {"role": "assistant", "content": ""}),
-                               lambda: service.finish(generation, "chat"))
-        try:
-            text, tokens = await service.collect(request, generation)
-        finally:
-            await service.finish(generation, "chat")
-        return JSONResponse(chat_response(rid, model, text, generation.outcome,
-                                          service.logprobs(tokens) if req.params.logprobs else None))
+        return await service.answer(request, service.chat_tokens(req.messages), req.params, chat=True)
 
     async def completions(request: Request) -> Response:
         authorised(request)
         req = parse_completion(await service.read_json(request), service.model_id, service.defaults)
         prompt = req.prompt
         tokens = list(prompt) if isinstance(prompt, list) else list(service.session.tokenizer.encode(prompt))
-        generation = await service.start(tokens, req.params)
-        rid, model = new_id("cmpl"), service.model_id
-        if req.params.stream:
-            def chunk(text, finish=None, logprobs=None, usage=None, offset=0):
-                return completion_chunk(rid, model, text, finish, logprobs, usage, offset)
-            return EventStream(stream(service, generation, chunk, None),
-                               lambda: service.finish(generation, "completion"))
-        try:
-            text, tokens = await service.collect(request, generation)
-        finally:
-            await service.finish(generation, "completion")
-        return JSONResponse(completion_response(rid, model, text, generation.outcome,
-                                                service.logprobs(tokens) if req.params.logprobs else None))
+        return await service.answer(request, tokens, req.params, chat=False)
 
     async def models(request: Request) -> Response:
         authorised(request)
@@ -293,15 +289,6 @@ def _shutdown(signum, frame) -> None:
     raise Shutdown
 
 
-def loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -324,7 +311,7 @@ def run_serve(args: argparse.Namespace, options: ClusterOptions) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _shutdown)
     try:
-        if not loopback(args.host) and api_key is None and not args.insecure:
+        if not is_loopback(args.host) and api_key is None and not args.insecure:
             raise BadInput(f"--host {args.host} reaches beyond this machine: give --api-key (or "
                            "CPCHAT_API_KEY), or --insecure to serve anyone who can connect")
         settings = resolve_settings(args)
