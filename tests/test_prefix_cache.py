@@ -150,7 +150,7 @@ def test_a_second_question_saves_nothing_new(clusters, model_dir, empty_cache):
     third = session()
     next_turn(third, doc + second)
     prompt = third.raw_history + random_prompt(path, 45, seed=71)  # 45 past the saved document
-    got = [(e.id, e.logprob) for e in third._generate(prompt) if isinstance(e, Token)]
+    got = [(e.id, e.logprob) for e in third.generate(prompt) if isinstance(e, Token)]
     assert_same(got, mlx_lm_generate(path, prompt, MAX_TOKENS))
     files = shard_files(cluster)
     assert len(files) == 4 and set(saved) < set(files)
