@@ -724,4 +724,4 @@ class Engine:
                 ring.send_all(key, [a.reshape(-1) for a in sampled], ring.peers)
             return token_event(sampled)
         arrays, _ = ring.take(key, abort, source)
-        return token_event([a.reshape(()) if i < 2 else a for i, a in enumerate(arrays)])
+        return token_event(arrays)
