@@ -95,6 +95,37 @@ def low_precision_noise(path: Path, ids: list[int], expected: list[tuple[int, fl
     )
 
 
+def agreeing_steps(path: Path, ids: list[int], got: list[tuple[int, float]],
+                   expected: list[tuple[int, float]], noise: float) -> int:
+    """How many greedy steps cpchat and mlx-lm agree on: all of them, or those before a step where the
+    two picks are a tie at the checkpoint's precision — mlx-lm's own forward scores them within 1.5x
+    its low-precision noise of each other, and the same weights run in float32 rank cpchat's pick no
+    lower than mlx-lm's. Any other difference fails. (A random model's flat logits meet such ties:
+    cpchat's decode multiplies in float32, mlx-lm's in its low-precision kernels.)"""
+    import mlx.core as mx
+
+    ours, theirs = [t for t, _ in got], [t for t, _ in expected]
+    step = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
+    if step is None:
+        assert len(ours) == len(theirs), f"{len(ours)} tokens, mlx-lm {len(theirs)}"
+        return len(ours)
+    model, _ = mlx_lm.load(str(path))
+
+    def scores() -> tuple[float, float]:
+        logits = model(mx.array([ids + theirs[:step]]))[0, -1].astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits)
+        return logprobs[ours[step]].item(), logprobs[theirs[step]].item()
+
+    mine, its = scores()
+    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
+                          model.parameters()))
+    mine_32, its_32 = scores()
+    assert abs(mine - its) <= 1.5 * noise and mine_32 >= its_32, (
+        f"step {step}: cpchat picked {ours[step]}, mlx-lm {theirs[step]}; mlx-lm scores them {mine:.4f} and "
+        f"{its:.4f} (noise {noise:.4f}), in float32 {mine_32:.4f} and {its_32:.4f}")
+    return step
+
+
 def dense_float32(model) -> None:
     """Replace `model`'s quantized layers by float32 ones holding the same stored weights (dequantized with
     the scales in float32): the same weights run in float32, through fast dense products."""

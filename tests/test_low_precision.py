@@ -80,25 +80,64 @@ def test_follow_up_turns_in_low_precision(clusters, checkpoint, form):
     assert cluster.size == 3 and session.turn_index == 3
 
 
-@pytest.mark.parametrize("form", ["bfloat16", "q4g64"])
-def test_prefill_blocks_multiply_in_float32_on_the_cpu(checkpoint, form):
-    """On the CPU a rank computes a block's weight products in float32 from the stored weights (MLX's
-    low-precision CPU kernels are 15-100x slower); a decode token keeps the native kernel, bit for bit."""
+def float32_weight(m):
+    """A layer's weight in float32, dequantized with its scales in float32."""
     import mlx.core as mx
-    import mlx.nn as nn
+
+    if "scales" not in m:
+        return m.weight.astype(mx.float32)
+    return mx.dequantize(m.weight, m.scales.astype(mx.float32), m.biases.astype(mx.float32),
+                         m.group_size, m.bits)
+
+
+def float32_bytes(model) -> int:
+    """Bytes of float32 copies of the demo model's linear layers and its tied head."""
+    layers = [model.model.embed_tokens]
+    for b in model.layers:
+        layers += [b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj, b.self_attn.o_proj,
+                   b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj]
+    return 4 * sum(float32_weight(m).size for m in layers)
+
+
+@pytest.mark.parametrize("form", ["bfloat16", "q4g64"])
+def test_a_rank_keeps_float32_weights_within_its_memory(clusters, checkpoint, form):
+    """A rank on the CPU decodes from float32 copies of a small model's weights, and counts them."""
+    import mlx_lm
+    from mlx.utils import tree_flatten
+
+    path = checkpoint(form)
+    model, _ = mlx_lm.load(str(path))
+    stored = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    assert clusters.get(2, path).model.weight_bytes == stored + float32_bytes(model)
+
+
+@pytest.mark.parametrize("form", ["bfloat16", "q4g64"])
+def test_weight_products_run_in_float32_on_the_cpu(checkpoint, form):
+    """On the CPU a rank computes a block's weight products in float32 from the stored weights (MLX's
+    low-precision CPU kernels are 15-100x slower); a decode token keeps the native kernel, bit for bit,
+    unless the rank keeps float32 copies of the weights, which it does only within its budget."""
+    import mlx.core as mx
     import mlx_lm
 
-    from cpchat.rank.cpu_products import MIN_ROWS, use_float32_products
+    from cpchat.rank.cpu_products import MIN_ROWS, keep_float32_weights, use_float32_products
 
     model, _ = mlx_lm.load(str(checkpoint(form)))
-    layer = model.layers[0].mlp.down_proj
-    native = type(layer)
-    assert use_float32_products(model) == 7 * len(model.layers)  # q, k, v, o, gate, up, down
+    layer, head = model.layers[0].mlp.down_proj, model.model.embed_tokens
+    native, native_head = type(layer), type(head)
+    # q, k, v, o, gate, up, down in every layer, and the embedding as the tied output head
+    assert use_float32_products(model) == 7 * len(model.layers) + 1
     x = mx.random.normal((1, MIN_ROWS, model.args.intermediate_size)).astype(mx.bfloat16)
-    weight = layer.weight
-    if native is nn.QuantizedLinear:
-        weight = mx.dequantize(weight, layer.scales, layer.biases, layer.group_size, layer.bits)
-    exact = x.astype(mx.float32) @ weight.astype(mx.float32).T
-    assert mx.allclose(layer(x).astype(mx.float32), exact, rtol=1e-2, atol=1e-2).item()
-    one = x[:, :1]
+    weight, head_weight = float32_weight(layer), float32_weight(head)
+    assert mx.array_equal(layer(x), (x.astype(mx.float32) @ weight.T).astype(x.dtype)).item()
+    one, hidden = x[:, :1], mx.random.normal((1, 1, model.args.hidden_size)).astype(mx.bfloat16)
     assert mx.array_equal(layer(one), native.__call__(layer, one)).item()
+    assert mx.array_equal(head.as_linear(hidden), native_head.as_linear(head, hidden)).item()
+
+    need = float32_bytes(model)
+    assert keep_float32_weights(model, need - 1) == 0  # over budget: decode stays native
+    assert mx.array_equal(layer(one), native.__call__(layer, one)).item()
+    assert keep_float32_weights(model, need) == need
+    assert mx.array_equal(layer(one), (one.astype(mx.float32) @ weight.T).astype(one.dtype)).item()
+    assert mx.array_equal(head.as_linear(hidden),
+                          (hidden.astype(mx.float32) @ head_weight.T).astype(hidden.dtype)).item()
+    assert "_float32" not in dict(layer)  # the copy is no parameter: saved or counted, the model's weights

@@ -54,6 +54,7 @@ class Row:
     combine_share: float | None = None  # of prefill: linear layers' halo exchange and state combine
     sgemm_share: float | None = None  # prefill FLOP/s over the rate the ranks' cores reach in sgemm
     exchange_wait_ms: float | None = None  # a decode step's wait for the other ranks, per attention layer
+    exchange_overhead_ms: float | None = None  # of it, what the exchange itself costs (exchange_wait_ms)
 
     def best(self, name: str) -> float:
         values = getattr(self, name)
@@ -209,7 +210,7 @@ def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, 
                 stats = cluster.stats_once()
                 row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, max(s.peak_rss_bytes for s in stats))
                 if n > 1 and args.decode > 1:  # the last pass is the last token's decode step
-                    row.exchange_wait_ms = exchange_wait_ms(stats, cluster.model)
+                    row.exchange_wait_ms, row.exchange_overhead_ms = exchange_wait_ms(stats, cluster.model)
             flops = weights_flops + attention_flops_per_token(cluster.model, context)
             row.sgemm_share = flops * row.best("prefill_tokens_per_s") / (n * cluster.flops_per_s)
             if n > 1 and not args.no_overlap:
@@ -243,13 +244,26 @@ def attention_flops_per_token(served, context: int) -> float:
     return 2.0 * 2 * served.num_q_heads * served.head_dim * context / 2 * served.attention_layers
 
 
-def exchange_wait_ms(stats, served) -> float:
+def exchange_wait_ms(stats, served) -> tuple[float, float]:
     """A decode step's wait for the other ranks' partial outputs, per attention layer, averaged over
     the ranks that wait for them (every rank in an exchange, rank 0 in a lead step): the exchange's
-    latency and the ranks' skew (and in a lead step, the other ranks' attention)."""
-    waits = [sum(t.wait_ms for t in s.ring_steps if t.step > 0) / served.attention_layers
-             for s in stats if any(t.step > 0 for t in s.ring_steps)]
-    return sum(waits) / len(waits) if waits else 0.0
+    latency and the ranks' skew (and in a lead step, the other ranks' attention). And of that wait,
+    the exchange's own overhead: each layer's wait less how much longer the slowest other rank's
+    attention took than the waiting rank's own (what a zero-latency exchange would still wait)."""
+    attention = [{t.layer: t.compute_ms for t in s.ring_steps if t.step == 0} for s in stats]
+    waits, overheads = [], []
+    for rank, s in enumerate(stats):
+        waited = {t.layer: t.wait_ms for t in s.ring_steps if t.step > 0}
+        if not waited:
+            continue
+        skew = sum(max([0.0] + [a[layer] - attention[rank].get(layer, 0.0)
+                                for other, a in enumerate(attention) if other != rank and layer in a])
+                   for layer in waited)
+        waits.append(sum(waited.values()) / served.attention_layers)
+        overheads.append(max(sum(waited.values()) - skew, 0.0) / served.attention_layers)
+    if not waits:
+        return 0.0, 0.0
+    return sum(waits) / len(waits), sum(overheads) / len(overheads)
 
 
 def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> tuple[float, int]:
@@ -299,7 +313,7 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
             "",
             "| system | BLAS | threads | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s "
             "| vs mlx-lm | KV MiB/rank | vs kv none | ring MiB | peak MiB/rank | hidden comm | state combine "
-            "| of sgemm rate | decode wait ms/layer "
+            "| of sgemm rate | decode wait ms/layer (exchange overhead) "
             "| prefill estimate | peak estimate | decode estimate |",
             "|---|---|" + "---:|" * 18,
         ]
@@ -313,7 +327,8 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         hidden = f"{100 * r.hidden_share:.0f}%" if r.hidden_share is not None else ""
         combine = f"{100 * r.combine_share:.1f}%" if r.combine_share is not None else ""
         sgemm = f"{100 * r.sgemm_share:.0f}%" if r.sgemm_share is not None else ""
-        wait = f"{r.exchange_wait_ms:.2f}" if r.exchange_wait_ms is not None else ""
+        wait = "" if r.exchange_wait_ms is None \
+            else f"{r.exchange_wait_ms:.2f} ({r.exchange_overhead_ms:.2f})"
         measured_s = r.context / r.best("prefill_tokens_per_s") if r.prefill_tokens_per_s else 0.0
         estimate = ""
         if r.estimate_s and measured_s:  # predicted seconds, and as a multiple of the measured ones

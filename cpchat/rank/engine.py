@@ -33,7 +33,7 @@ from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import context_parallel, fit, latent_attention, linear_layers
 from cpchat.rank.algorithms import DECODE, PREFILL, decode
 from cpchat.rank.context_parallel import LayerCall, RingPass, ShardCache, StepTiming
-from cpchat.rank.cpu_products import MIN_ROWS, use_float32_products
+from cpchat.rank.cpu_products import COPY_SHARE, MIN_ROWS, keep_float32_weights, use_float32_products
 from cpchat.rank.fit import LayerAttention, LayerRecurrence, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.linear_layers import StateCache
@@ -330,11 +330,15 @@ class Engine:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-writer")
         self._saves: list[Future] = []
 
-    def load(self, path: str, kv_format: KVFormat = FULL_PRECISION) -> ModelShape:
+    def load(self, path: str, kv_format: KVFormat = FULL_PRECISION, free_bytes: int = 0) -> ModelShape:
+        """Load a model; on the CPU, with float32 copies of its low-precision weights where they take
+        at most 1/COPY_SHARE of the `free_bytes` the rank may use (cpchat.rank.cpu_products)."""
         self.model, self.info = load_model(path, kv_format)
         self.model_name = path
-        self.prefill_cost, self.forward_memory = measure_prefill(self.model, self.info)
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        if mx.default_device() == mx.cpu:
+            self.weight_bytes += keep_float32_weights(self.model, free_bytes // COPY_SHARE)
+        self.prefill_cost, self.forward_memory = measure_prefill(self.model, self.info)
         self.kv = KVShard(self.info.num_layers, self.info.linear, kv_format)
         self.states = StateStore()
         self.total_tokens = 0

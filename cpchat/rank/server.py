@@ -356,7 +356,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             try:
                 kv_format = KVFormat(request.kv_bits, request.kv_group_size or FULL_PRECISION.group_size,
                                      request.quantized_kv_start)
-                info = self.s.on_mlx(self.s.engine.load, request.model, kv_format)
+                info = self.s.on_mlx(self.s.engine.load, request.model, kv_format,
+                                     free_bytes(self.s.memory_limit))
             except UnsupportedModel as e:
                 self.s.state = "ready" if self.s.engine.model is not None else "idle"  # the old model stays
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
