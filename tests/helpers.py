@@ -75,18 +75,32 @@ def sequence_logprobs(model, sequence: list[int]) -> list[float]:
     return logprobs[mx.arange(len(sequence) - 1), mx.array(sequence[1:])].tolist()
 
 
+def run_in_float32(model) -> None:
+    """Cast every floating parameter of `model` to float32 (quantized words stay as they are)."""
+    import mlx.core as mx
+
+    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
+                          model.parameters()))
+
+
+def float32_weight(module):
+    """A layer's weight in float32; a quantized one dequantized with its scales in float32."""
+    import mlx.core as mx
+
+    if "scales" not in module:
+        return module.weight.astype(mx.float32)
+    return mx.dequantize(module.weight, module.scales.astype(mx.float32), module.biases.astype(mx.float32),
+                         module.group_size, module.bits)
+
+
 def low_precision_noise(path: Path, ids: list[int], expected: list[tuple[int, float]]) -> float:
     """mlx-lm's own low-precision noise: the largest logprob difference between the checkpoint run in
     its dtype and the same stored weights run in float32, over every position of the prompt and the
     answer (teacher-forced), and over `expected` (mlx-lm's generation in the checkpoint's dtype)."""
-    import mlx.core as mx
-    from mlx.utils import tree_map
-
     model, _ = mlx_lm.load(str(path))
     sequence = ids + [t for t, _ in expected]
     in_dtype = sequence_logprobs(model, sequence)
-    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
-                          model.parameters()))
+    run_in_float32(model)
     in_float32 = sequence_logprobs(model, sequence)
     generated = in_float32[len(ids) - 1 :]
     return max(
@@ -117,8 +131,7 @@ def agreeing_steps(path: Path, ids: list[int], got: list[tuple[int, float]],
         return logprobs[ours[step]].item(), logprobs[theirs[step]].item()
 
     mine, its = scores()
-    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
-                          model.parameters()))
+    run_in_float32(model)
     mine_32, its_32 = scores()
     assert abs(mine - its) <= 1.5 * noise and mine_32 >= its_32, (
         f"step {step}: cpchat picked {ours[step]}, mlx-lm {theirs[step]}; mlx-lm scores them {mine:.4f} and "
@@ -133,8 +146,7 @@ def dense_float32(model) -> None:
     import mlx.nn as nn
 
     def dense(module):
-        w = mx.dequantize(module.weight, module.scales.astype(mx.float32), module.biases.astype(mx.float32),
-                          module.group_size, module.bits)
+        w = float32_weight(module)
         if isinstance(module, nn.QuantizedEmbedding):
             layer = nn.Embedding(*w.shape)
         else:
@@ -147,5 +159,4 @@ def dense_float32(model) -> None:
     swaps = [(name, dense(m)) for name, m in model.named_modules()
              if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)]
     model.update_modules(tree_unflatten(swaps))
-    model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
-                          model.parameters()))
+    run_in_float32(model)

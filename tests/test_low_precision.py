@@ -8,6 +8,7 @@ import random
 
 import pytest
 from helpers import (
+    float32_weight,
     low_precision_noise,
     next_turn,
     raw_session,
@@ -78,16 +79,6 @@ def test_follow_up_turns_in_low_precision(clusters, checkpoint, form):
         assert_within_noise(path, history, got)
         history += [t for t, _ in got]
     assert cluster.size == 3 and session.turn_index == 3
-
-
-def float32_weight(m):
-    """A layer's weight in float32, dequantized with its scales in float32."""
-    import mlx.core as mx
-
-    if "scales" not in m:
-        return m.weight.astype(mx.float32)
-    return mx.dequantize(m.weight, m.scales.astype(mx.float32), m.biases.astype(mx.float32),
-                         m.group_size, m.bits)
 
 
 def float32_bytes(model) -> int:
