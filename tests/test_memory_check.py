@@ -187,7 +187,8 @@ async def test_the_tui_says_why_a_prompt_is_not_sent(limited, model_dir, tmp_pat
 
 def test_cpchat_plan_prints_a_line_per_rank_and_whether_it_fits(model_dir):
     result = subprocess.run([sys.executable, "-m", "cpchat", "plan", "--model", str(model_dir("llama")),
-                             "--context", "4K", "--ranks", "2", "--max-tokens", "16", "--shares", "3,1"],
+                             "--context", "4K", "--ranks", "2", "--max-tokens", "16", "--shares", "3,1",
+                             "--algorithm", "pass_kv"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
