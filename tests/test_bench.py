@@ -52,6 +52,7 @@ def test_bench_writes_results(tmp_path, model_dir):
             assert 0.0 <= row["hidden_share"] <= 1.0 and row["kv_bytes_per_rank"] > 0
             assert row["exchange_wait_ms"] >= 0.0  # a decode step's wait for the other rank, per layer
             assert 0.0 <= row["exchange_overhead_ms"] <= row["exchange_wait_ms"]  # of it, the exchange's own
+            assert row["decode_step"] == "gather"  # ranks of one machine: rank 0 decodes on a copy of the K/V
         if row["system"].startswith("cpchat"):  # the model's FLOPs at the measured rate, over sgemm's
             assert 0.0 < row["sgemm_share"] < 2.0
     assert [t["block_mib"] for t in data["transport"]] == [1, 9]

@@ -16,6 +16,7 @@ from helpers import (
 
 from cpchat.client.cluster import Cluster
 from cpchat.client.generation import GenerationRequest, TokenOut
+from cpchat.core.memory import kv_bytes_per_token
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 ALGORITHMS = ("pass_kv", "pass_q", "all_gather", "ulysses", "auto")
@@ -165,14 +166,16 @@ def test_turns_mix_every_algorithm(clusters, model_dir, ranks):
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_every_decode_step_gives_mlx_lms_tokens(clusters, model_dir, ranks):
     """Every way of running a decode step gives mlx-lm's tokens, and the stats name the one that ran:
-    the ring takes N-1 hops a layer where the exchange takes one, and in a lead step rank 0 sends a
-    query and takes partials back (two steps) while the others take a query and answer (one)."""
+    the ring takes N-1 hops a layer where the exchange takes one, in a lead step rank 0 sends a
+    query and takes partials back (two steps) while the others take a query and answer (one), and in a
+    gather step nothing crosses per layer (rank 0 decodes on its copy of every rank's K/V)."""
     path = model_dir("mistral")
     cluster = clusters.get(ranks, path)
     ids = random_prompt(path, 123, seed=5)
     expected = reference_generate(path, ids, MAX_TOKENS)
     held = []
-    steps_of = {"ring": [ranks] * ranks, "exchange": [2] * ranks, "lead": [2] + [1] * (ranks - 1)}
+    steps_of = {"ring": [ranks] * ranks, "exchange": [2] * ranks, "lead": [2] + [1] * (ranks - 1),
+                "gather": [0] * ranks}
     for decode, steps in steps_of.items():
         cluster.reset(0)
         session = raw_session(cluster, path, "pass_kv", MAX_TOKENS)
@@ -183,10 +186,13 @@ def test_every_decode_step_gives_mlx_lms_tokens(clusters, model_dir, ranks):
         assert {s.algorithm for s in stats} == {f"decode_{decode}"}
         assert [len({t.step for t in s.ring_steps}) for s in stats] == steps
         held.append([r.kv_tokens for r in done_event(events).ranks])
-    assert held[0] == held[1] == held[2]  # new tokens' K/V kept round the ranks, however the step ran
+    assert all(h == held[0] for h in held)  # new tokens' K/V kept round the ranks, however the step ran
     cluster.reset(0)
     session = raw_session(cluster, path, "pass_kv", MAX_TOKENS)  # decode "auto": the cost model's pick
-    assert session.decode_exchange(len(ids)) == "lead"  # every rank of this cluster computes on this machine
+    assert session.decode_exchange(len(ids)) == "gather"  # every rank of this cluster shares this machine
+    per_token = kv_bytes_per_token(session.workload(1, len(ids)))
+    too_long = cluster.free_memory()[0] // int(per_token)  # an answer whose copy rank 0 could not hold
+    assert session.decode_exchange(len(ids), too_long) == "lead"
     assert_same(next_turn(session, ids)[0], expected)
     assert {s.algorithm for s in cluster.stats_once()} == {f"decode_{session.decode_exchange(len(ids))}"}
 

@@ -170,15 +170,17 @@ def test_decode_takes_the_ring_only_where_three_hops_beat_one_exchange():
     assert choose_decode(workload(ranks=2), same) == "exchange"  # one peer: the same message either way
 
 
-def test_decode_takes_the_lead_step_only_where_every_rank_shares_one_machine_and_no_state():
+def test_decode_runs_on_rank_0_alone_only_where_every_rank_shares_one_machine_and_no_state():
     """On one machine the other ranks' copies of the weight products only take cores from rank 0's:
-    the lead step, whatever the latencies; across machines, or with a state every rank must advance
-    (linear layers), an exchange of partial outputs."""
+    the gather step where rank 0 can hold a copy of every rank's K/V, else the lead step, whatever the
+    latencies; across machines, or with a state every rank must advance (linear layers), an exchange
+    of partial outputs."""
     fast_hops = measured(hop_latency_s=2e-4, exchange_latency_s=1.2e-3, one_machine=True)
     assert choose_decode(workload(ranks=4), fast_hops) == "lead"
+    assert choose_decode(workload(ranks=4), fast_hops, copy_fits=True) == "gather"
     assert choose_decode(workload(ranks=2), measured(one_machine=True)) == "lead"
-    assert choose_decode(workload(ranks=4, states=True), fast_hops) == "ring"
-    assert choose_decode(workload(ranks=1), measured(one_machine=True)) == "exchange"  # nothing to share
-    assert choose_decode(workload(ranks=4), measured(one_machine=False)) == "exchange"
+    assert choose_decode(workload(ranks=4, states=True), fast_hops, copy_fits=True) == "ring"
+    assert choose_decode(workload(ranks=1), measured(one_machine=True), copy_fits=True) == "exchange"
+    assert choose_decode(workload(ranks=4), measured(one_machine=False), copy_fits=True) == "exchange"
     d = decode_estimates(workload(ranks=4), measured())
     assert d["lead"] > d["exchange"]  # a query more on the wire: its gain is compute, not transfer

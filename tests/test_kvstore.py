@@ -1,6 +1,7 @@
 import mlx.core as mx
 import numpy as np
 
+from cpchat.rank.gathered import pack_new, unpack_new
 from cpchat.rank.kvstore import GROW, KVShard
 
 
@@ -68,3 +69,17 @@ def test_a_layer_forgets_its_own_keys_and_the_shard_keeps_its_tokens():
     shard.truncate(5)
     assert len(shard) == 5 and shard.layer(1)[2].tolist() == [4]
     assert shard.layer(0)[2].tolist() == list(range(5))
+
+
+def test_a_new_tokens_kv_crosses_as_one_flat_block_and_comes_back_whole():
+    """A gather step hands the new token's K/V of every layer on as two tensors (a block carries
+    few); layers of other head counts and sizes (MLA's values, a linear layer skipped) come back as sent."""
+    new = {0: (mx.arange(8.0).reshape(1, 2, 1, 4), -mx.arange(8.0).reshape(1, 2, 1, 4)),
+           2: (mx.arange(6.0).reshape(1, 1, 1, 6) + 100, mx.arange(3.0).reshape(1, 1, 1, 3) + 200)}
+    block = pack_new(new)
+    assert len(block) == 2
+    back = unpack_new(block)
+    assert sorted(back) == [0, 2]
+    for layer, (k, v) in new.items():
+        assert back[layer][0].shape == k.shape and back[layer][1].shape == v.shape
+        assert mx.array_equal(back[layer][0], k).item() and mx.array_equal(back[layer][1], v).item()

@@ -20,7 +20,7 @@ from cpchat.client.memory import MemoryShortfall, shortfall
 from cpchat.client.plan import make_plan, plan_lines
 from cpchat.client.settings import Settings
 from cpchat.core.heuristics import Workload
-from cpchat.core.memory import ForwardMemory, prefill_needs, tokens_per_rank
+from cpchat.core.memory import ForwardMemory, kv_bytes_per_token, prefill_needs, tokens_per_rank
 from cpchat.core.quantized_kv import KVFormat
 from cpchat.tui.app import CpchatApp
 from cpchat.tui.screens import MemoryBudget
@@ -216,6 +216,22 @@ def test_a_plan_past_a_ranks_memory_says_so(limited, model_dir):
     assert plan.ranks[0].kv_bytes > 10 * fitting.ranks[0].kv_bytes
     assert plan.ranks[0].weight_bytes == fitting.ranks[0].weight_bytes == limited.model.weight_bytes
     assert plan.ranks[0].peak_bytes > fitting.ranks[0].peak_bytes
+
+
+def test_a_gather_plan_counts_rank_0s_copy_of_every_ranks_kv(clusters, model_dir):
+    """While the ranks decode in gather steps rank 0 also holds a copy of every rank's K/V, the answer's
+    included: the plan's peak for rank 0 says so (a long answer, where the copy outweighs the rest)."""
+    path = model_dir("llama")
+    session = raw_session(clusters.get(2, path), path, "pass_kv", max_tokens=16)
+    context, answer = 100, 1_000_000
+    plans = {}
+    for decode in ("lead", "gather"):
+        session.decode = decode
+        plans[decode] = make_plan(session, context, answer)
+    copy = (context + answer) * kv_bytes_per_token(session.workload(context, 0))
+    assert copy > 100 << 20
+    assert plans["gather"].ranks[0].peak_bytes - plans["lead"].ranks[0].peak_bytes > 0.8 * copy
+    assert abs(plans["gather"].ranks[1].peak_bytes - plans["lead"].ranks[1].peak_bytes) < 0.1 * copy
 
 
 def test_with_kv_bits_the_new_keys_and_values_are_held_packed():

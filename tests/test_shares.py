@@ -49,7 +49,7 @@ def test_unequal_shares_give_mlx_lms_answer_with_every_algorithm(clusters, model
     assert held[weights.index(max(weights))] > held[weights.index(min(weights))] * 2
 
 
-@pytest.mark.parametrize("decode", ["exchange", "ring", "lead"])
+@pytest.mark.parametrize("decode", ["exchange", "ring", "lead", "gather"])
 def test_every_decode_step_keeps_the_answer_in_the_shares(clusters, model_dir, decode):
     """A long answer's K/V lands on the ranks in proportion to their shares, and the tokens stay
     mlx-lm's, whichever way the step runs; a second turn under other shares goes on exactly."""

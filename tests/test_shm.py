@@ -104,6 +104,35 @@ def test_a_small_buffer_wraps_and_waits_for_credits(receiver):
     link.close()
 
 
+def test_small_blocks_to_a_receiver_that_stopped_reading_never_block_the_sender():
+    """A receiver that stops reading (a rank under SIGSTOP) fills the socket: the sender's small
+    blocks, which go out from its own thread, are handed to the link's thread instead of waiting;
+    when the receiver reads again every block arrives, in full."""
+    paused = threading.Event()
+    mailbox = Mailbox(lambda frame, size: None)
+
+    def deliver(frame, data, array=None):
+        paused.wait()
+        mailbox.put(frame, data, array)
+
+    listener = SharedMemoryListener(TOKEN, deliver, lambda ring_id, source: None)
+    link = SharedMemoryLink(listener.endpoint, "ring", 1, "peer", TOKEN)
+    blocks = [mx.full((3000,), float(step)) for step in range(200)]  # 12 KB each: inline, 2.4 MB in all
+    host = [to_host(b) for b in blocks]
+    assert sum(h.data.nbytes for h in host) > 4 * link._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    sent = threading.Thread(target=lambda: [link.put(key(s), [h]) for s, h in enumerate(host)])
+    sent.start()
+    sent.join(timeout=30)
+    assert not sent.is_alive() and link.error is None  # far more than the socket holds, and none waited
+    paused.set()
+    abort = threading.Event()
+    for step, block in enumerate(blocks):
+        (got,) = mailbox.take(key(step), 1, abort)
+        assert mx.array_equal(to_mlx(got), block).item()
+    link.close()
+    listener.close()
+
+
 def test_the_free_space_follows_the_oldest_chunk_in_flight():
     link = SharedMemoryLink.__new__(SharedMemoryLink)
     link._capacity, link._head = 100, 0

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from textual.app import App, ComposeResult
 
-from cpchat.client.events import Done, Prefill, RankUsage
+from cpchat.client.events import Done, Prefill, RankUsage, RingStep
 from cpchat.tui.widgets import Answer, ThroughputPanel
 from cpchat.tui.widgets.answer import Pace
+from cpchat.tui.widgets.ring_chart import RingChart
 
 pytestmark = pytest.mark.anyio
 
@@ -52,3 +53,18 @@ async def test_an_answer_keeps_its_text_and_its_pace_and_says_how_it_ended():
         await answer.finish(cancelled=True, failed=False)
         assert answer.source == "The code is 4812-KX." and answer.border_subtitle == "stopped"
         assert not answer.has_class("-streaming")
+
+
+async def test_the_ring_chart_says_when_a_decode_step_crossed_nothing_per_layer():
+    class Host(App):
+        def compose(self) -> ComposeResult:
+            yield RingChart()
+
+    async with Host().run_test() as pilot:
+        chart = pilot.app.query_one(RingChart)
+        assert str(chart.render()) == "no ring pass yet"
+        chart.pass_name = "decode_lead"
+        chart.steps = [RingStep(0, 0, 1.5, 0.0, 64), RingStep(0, 1, 0.0, 0.5, 0)]
+        assert "step 0" in str(chart.render()) and "step 1" in str(chart.render())
+        chart.pass_name, chart.steps = "decode_gather", []  # rank 0 decoded alone on a copy of the K/V
+        assert str(chart.render()).startswith("last pass: decode_gather: rank 0 alone")

@@ -73,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
                    help="compare prefill algorithms instead of mlx-lm: a comma list of "
                         "pass_kv,pass_q,all_gather,ulysses,auto, or all")
     p.add_argument("--decode-exchange", default="exchange", metavar="LIST",
-                   help="with --algorithms: decode exchanges to time, a comma list of exchange,ring")
+                   help="with --algorithms: decode steps to time, a comma list of exchange,ring,lead,gather")
     p.add_argument("--pin", action="store_true", help="pin rank i to core i (and mlx-lm to core 0)")
     add_threads_flag(p)
     p.add_argument("--blas", default="auto",

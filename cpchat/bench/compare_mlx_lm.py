@@ -2,7 +2,8 @@
 stream_generate, then the ring transport next to mx.distributed; a Markdown table, the JSON and a chart.
 
 Every figure is a ratio or a rate measured in the same run, on the same model and prompt, so a noisy
-machine shifts both sides alike.
+machine shifts both sides alike; cpchat's clusters (one per rank count and data plane) stay up
+together and take turns, repeat by repeat.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Row:
     sgemm_share: float | None = None  # prefill FLOP/s over the rate the ranks' cores reach in sgemm
     exchange_wait_ms: float | None = None  # a decode step's wait for the other ranks, per attention layer
     exchange_overhead_ms: float | None = None  # of it, what the exchange itself costs (exchange_wait_ms)
+    decode_step: str = ""  # how the ranks ran the decode steps: exchange, ring, lead or gather
 
     def best(self, name: str) -> float:
         values = getattr(self, name)
@@ -100,9 +102,8 @@ def run_comparison(args, blas_modes: list[str]) -> int:
                 for context in contexts:
                     rows.append(run_baseline(model, context, args, blas_choice, kv))
                     report_progress(rows[-1])
-            for n in ranks:
-                for data_plane in planes if n > 1 else planes[:1]:
-                    rows.extend(run_cpchat(model, n, contexts, args, blas_choice, data_plane, kv))
+            clusters = [(n, plane) for n in ranks for plane in (planes if n > 1 else planes[:1])]
+            rows.extend(run_cpchat(model, clusters, contexts, args, blas_choice, kv))
     sizes = [int(s) * MB for s in args.transport.split(",") if s]
     transport = run_transport(sizes, args.repeats) if sizes else []
     out = Path(args.out)
@@ -163,63 +164,89 @@ def _kv_label(kv: KVFormat) -> str:
     return f" kv{kv.bits}" if kv.quantized else ""
 
 
-def run_cpchat(model: str, n: int, contexts: list[int], args, blas_choice: str, transport: str = "auto",
+@dataclass
+class Contestant:
+    """One cluster of the comparison, up for the whole of it."""
+
+    n: int
+    transport: str
+    cluster: Cluster
+    bandwidth: float
+
+    @property
+    def system(self) -> str:
+        plane = f" {self.cluster.transport_label}" if self.n > 1 and self.transport != "auto" else ""
+        return f"cpchat N={self.n}{plane}{_kv_label(self.cluster.model.kv_format)}"
+
+
+def run_cpchat(model: str, clusters: list[tuple[int, str]], contexts: list[int], args, blas_choice: str,
                kv: KVFormat = FULL_PRECISION) -> list[Row]:
-    """cpchat's rows on one cluster of n ranks, one per context."""
-    cluster = Cluster.launch(n, blas_choice=blas_choice, pin_cpus=args.pin, transport=transport,
-                             threads=args.threads)
+    """cpchat's rows, one per cluster (n ranks, transport) and context. Every cluster stays up while
+    the repeats go round them in turn, so the machine's noise falls on all of them alike and their
+    ratios are side by side."""
+    contestants: list[Contestant] = []
     rows = []
     try:
-        cluster.connect()
-        cluster.load(model, kv_format=kv)
+        for n, transport in clusters:
+            cluster = Cluster.launch(n, blas_choice=blas_choice, pin_cpus=args.pin, transport=transport,
+                                     threads=args.threads)
+            contestants.append(Contestant(n, transport, cluster, 0.0))
+            cluster.connect()
+            cluster.load(model, kv_format=kv)
+            contestants[-1].bandwidth = ring_link(cluster, 16 * MB)[0] if n > 1 else 0.0
         tokenizer = load_tokenizer(model)
-        bandwidth = ring_link(cluster, 16 * MB)[0] if n > 1 else 0.0
         weights_flops = linear_flops_per_token(model)
-        measured_blas = " / ".join(sorted({r.blas_label for r in cluster.ranks}))
         for context in contexts:
-            ids = document_ids(tokenizer, context) if args.model else prompt_ids(cluster.model.vocab_size,
-                                                                                 context)
-            plane = f" {cluster.transport_label}" if n > 1 and transport != "auto" else ""
-            system = f"cpchat N={n}{plane}{_kv_label(kv)}"
-            cluster.reset(0)
-            planner = Session(cluster, tokenizer, raw=True, algorithm=args.algorithm)
-            plan = make_plan(planner, context, args.decode)  # what `cpchat plan` predicts, before the runs
-            row = Row(system, n, context, blas=measured_blas, kv_bits=kv.bits,
-                      threads=min(r.blas.threads for r in cluster.ranks), estimate_s=plan.ttft_s,
-                      peak_estimate_bytes=max(r.peak_bytes for r in plan.ranks),
-                      decode_estimate=plan.decode_tokens_per_s)
+            vocab = contestants[0].cluster.model.vocab_size
+            ids = document_ids(tokenizer, context) if args.model else prompt_ids(vocab, context)
+            runs = [(c, _planned_row(c, tokenizer, context, args)) for c in contestants]
             for _ in range(args.repeats):
-                cluster.reset(0)
-                session = Session(
-                    cluster,
-                    tokenizer,
-                    raw=True,
-                    algorithm=args.algorithm,
-                    sampling=SamplingOptions(max_tokens=args.decode, temperature=0.0),
-                )
-                for event in session.generate(ids):
-                    if isinstance(event, Prefill):
-                        row.prefill_tokens_per_s.append(context / (event.ms / 1000))
-                        row.algorithm = event.algorithm
-                        if event.linear_layers:
-                            row.combine_share = event.state_combine_ms / event.ms
-                    elif isinstance(event, Done):
-                        row.ttft_ms.append(event.ttft_ms)
-                        row.decode_tokens_per_s.append(event.decode_tokens_per_s)
-                        row.kv_bytes_per_rank = max(r.kv_bytes for r in event.ranks)
-                stats = cluster.stats_once()
-                row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, max(s.peak_rss_bytes for s in stats))
-                if n > 1 and args.decode > 1:  # the last pass is the last token's decode step
-                    row.exchange_wait_ms, row.exchange_overhead_ms = exchange_wait_ms(stats, cluster.model)
-            flops = weights_flops + attention_flops_per_token(cluster.model, context)
-            row.sgemm_share = flops * row.best("prefill_tokens_per_s") / (n * cluster.flops_per_s)
-            if n > 1 and not args.no_overlap:
-                row.hidden_share, row.ring_bytes = hidden_share(cluster, ids, args, bandwidth)
-            rows.append(row)
-            report_progress(row)
+                for c, row in runs:
+                    _run_once(c, row, tokenizer, ids, args)
+            for c, row in runs:
+                flops = weights_flops + attention_flops_per_token(c.cluster.model, context)
+                row.sgemm_share = flops * row.best("prefill_tokens_per_s") / (c.n * c.cluster.flops_per_s)
+                if c.n > 1 and not args.no_overlap:
+                    row.hidden_share, row.ring_bytes = hidden_share(c.cluster, ids, args, c.bandwidth)
+                rows.append(row)
+                report_progress(row)
     finally:
-        cluster.close()
+        for c in contestants:
+            c.cluster.close()
     return rows
+
+
+def _planned_row(c: Contestant, tokenizer, context: int, args) -> Row:
+    """A cluster's row for one context, with what `cpchat plan` predicts before the runs."""
+    c.cluster.reset(0)
+    plan = make_plan(Session(c.cluster, tokenizer, raw=True, algorithm=args.algorithm), context, args.decode)
+    return Row(c.system, c.n, context, blas=" / ".join(sorted({r.blas_label for r in c.cluster.ranks})),
+               kv_bits=c.cluster.model.kv_format.bits, threads=min(r.blas.threads for r in c.cluster.ranks),
+               estimate_s=plan.ttft_s, peak_estimate_bytes=max(r.peak_bytes for r in plan.ranks),
+               decode_estimate=plan.decode_tokens_per_s)
+
+
+def _run_once(c: Contestant, row: Row, tokenizer, ids: list[int], args) -> None:
+    """One generation of `ids` on a fresh ring, its figures added to `row`."""
+    cluster = c.cluster
+    cluster.reset(0)
+    sampling = SamplingOptions(max_tokens=args.decode, temperature=0.0)
+    session = Session(cluster, tokenizer, raw=True, algorithm=args.algorithm, sampling=sampling)
+    for event in session.generate(ids):
+        if isinstance(event, Prefill):
+            row.prefill_tokens_per_s.append(len(ids) / (event.ms / 1000))
+            row.algorithm = event.algorithm
+            if event.linear_layers:
+                row.combine_share = event.state_combine_ms / event.ms
+        elif isinstance(event, Done):
+            row.ttft_ms.append(event.ttft_ms)
+            row.decode_tokens_per_s.append(event.decode_tokens_per_s)
+            row.kv_bytes_per_rank = max(r.kv_bytes for r in event.ranks)
+    stats = cluster.stats_once()
+    row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, max(s.peak_rss_bytes for s in stats))
+    if c.n > 1 and args.decode > 1:  # the last pass is the last token's decode step
+        row.exchange_wait_ms, row.exchange_overhead_ms = exchange_wait_ms(stats, cluster.model)
+        row.decode_step = stats[0].algorithm.removeprefix("decode_")
 
 
 @functools.cache
@@ -303,7 +330,8 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         "# cpchat bench",
         "",
         f"Command: `{command.strip()}`  ",
-        f"Model: `{Path(model).name}`; {args.repeats} repeat(s), best of them (median in the JSON); "
+        f"Model: `{Path(model).name}`; {args.repeats} repeat(s), best of them (median in the JSON), "
+        "cpchat's clusters taking turns; "
         f"{args.decode} decoded tokens; {os.cpu_count()} cores; took {seconds:.0f} s."
         if rows
         else f"{os.cpu_count()} cores; took {seconds:.0f} s.",
@@ -313,7 +341,7 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
             "",
             "| system | BLAS | threads | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s "
             "| vs mlx-lm | KV MiB/rank | vs kv none | ring MiB | peak MiB/rank | hidden comm | state combine "
-            "| of sgemm rate | decode wait ms/layer (exchange overhead) "
+            "| of sgemm rate | decode step: wait ms/layer (exchange overhead) "
             "| prefill estimate | peak estimate | decode estimate |",
             "|---|---|" + "---:|" * 18,
         ]
@@ -328,7 +356,7 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         combine = f"{100 * r.combine_share:.1f}%" if r.combine_share is not None else ""
         sgemm = f"{100 * r.sgemm_share:.0f}%" if r.sgemm_share is not None else ""
         wait = "" if r.exchange_wait_ms is None \
-            else f"{r.exchange_wait_ms:.2f} ({r.exchange_overhead_ms:.2f})"
+            else f"{r.decode_step}: {r.exchange_wait_ms:.2f} ({r.exchange_overhead_ms:.2f})"
         measured_s = r.context / r.best("prefill_tokens_per_s") if r.prefill_tokens_per_s else 0.0
         estimate = ""
         if r.estimate_s and measured_s:  # predicted seconds, and as a multiple of the measured ones

@@ -8,11 +8,12 @@ rank holds now (its weights and runtime) plus the prefill's need (activations, i
 tiles, the ring's blocks), or the peak it already reached loading the model, whichever is more. TTFT
 is the prefill estimate (cpchat.core.estimate) and the chosen algorithm's transfers
 (cpchat.core.heuristics). A decode step is the measured forward of one token a row, attention over
-the rank's keys, and the exchange of partials."""
+the rank's keys (every key, in a gather step), and the exchange of partials; a gather step's copy of
+the K/V adds to rank 0's peak."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cpchat.client.events import RankStats
 from cpchat.client.memory import shortfall
@@ -63,15 +64,20 @@ def make_plan(session: Session, context: int, answer_tokens: int) -> Plan:
     ranks = [RankPlan(r.label, cluster.model.weight_bytes, (t + a) * kv_bytes_per_token(w),
                       _peak(r.computes_on_cpu, s, n.total), n.total, n.free_bytes, t)
              for r, s, n, t, a in zip(cluster.ranks, stats, needs, held, answer, strict=True)]
+    decode_step = session.decode_exchange(context, answer_tokens)
+    if decode_step == "gather":  # rank 0 also holds a copy of every rank's K/V while it answers
+        copy = (context + answer_tokens) * kv_bytes_per_token(w)
+        r0 = ranks[0]
+        ranks[0] = replace(r0, peak_bytes=max(r0.peak_bytes, stats[0].rss_bytes + r0.kv_bytes + copy))
     cost = cluster.prefill_cost
     ttft = decode = None
     if cost is not None and cost.per_token_s:
         measured = session.measured()
         ttft = max(rank_seconds(cluster.rank_costs, context, 0, cluster.model.groups, w.shares))
         ttft += transfer_seconds(w, measured, algorithm)
-        step = cost.step_s + cost.per_pair_s * context / cluster.size
-        exchange = decode_estimates(session.workload(1, context), measured)
-        step += exchange[session.decode_exchange(context)]
+        attending = 1 if decode_step == "gather" else cluster.size  # ranks the keys are split between
+        step = cost.step_s + cost.per_pair_s * context / attending
+        step += decode_estimates(session.workload(1, context), measured)[decode_step]
         decode = 1 / step
     labels = [r.label for r in cluster.ranks]
     refused = shortfall(w, algorithm, cluster.forward_memory, free, answer_tokens, labels)

@@ -27,7 +27,8 @@ from cpchat.client.memory import MemoryShortfall, shortfall
 from cpchat.client.prefixes import MIN_GAIN, PrefixChoice, PrefixGone, choose_prefix
 from cpchat.client.settings import parse_shares
 from cpchat.core.estimate import balanced_shares, rank_seconds
-from cpchat.core.heuristics import Measured, Workload, choose_algorithm, choose_decode
+from cpchat.core.heuristics import GATHER_SHARE, Measured, Workload, choose_algorithm, choose_decode
+from cpchat.core.memory import kv_bytes_per_token
 from cpchat.core.sharding import Shares, rank_tokens
 from cpchat.errors import BadInput
 
@@ -268,10 +269,17 @@ class Session:
             exchange_latency_ms=1000 * c.exchange_latency_s,
         )
 
-    def decode_exchange(self, cached_tokens: int) -> str:
+    def decode_exchange(self, cached_tokens: int, answer_tokens: int = 0) -> str:
+        """The decode step's exchange for an answer after `cached_tokens`. Under auto, on one machine,
+        reads rank 0's free memory (blocks on the ranks: not for the event loop)."""
         if self.decode != "auto":
             return self.decode
-        return choose_decode(self.workload(1, cached_tokens), self.measured())
+        w, m = self.workload(1, cached_tokens), self.measured()
+        copy_fits = False
+        if w.ranks > 1 and m.one_machine and not w.states:
+            copy = kv_bytes_per_token(w) * (cached_tokens + answer_tokens)
+            copy_fits = copy * GATHER_SHARE <= self.cluster.free_memory()[0]
+        return choose_decode(w, m, copy_fits)
 
     def workload(self, new_tokens: int, cached_tokens: int) -> Workload:
         m = self.cluster.model
@@ -398,7 +406,7 @@ class Session:
         request = GenerationRequest(
             tokens=new, keep_tokens=keep,
             max_tokens=answer_tokens,
-            algorithm=choice.algorithm, decode=self.decode_exchange(len(full)),
+            algorithm=choice.algorithm, decode=self.decode_exchange(len(full), answer_tokens),
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed,
             stop_tokens=[] if self.sampling.ignore_eos else sorted(self.tokenizer.eos_token_ids),
             save_prefix=self.prefix_cache and len(full) - self.saved >= self.save_min_tokens,

@@ -33,6 +33,9 @@ REGISTRY = (
     Algorithm("lead", "lead", "decode", "DECODE_LEAD", "decode:lead",
               "rank 0 runs the model and sends each layer's query to every other rank, which send "
               "back their partial outputs"),
+    Algorithm("gather", "gather", "decode", "DECODE_GATHER", "decode:gather",
+              "every other rank's K/V to rank 0 once an answer, which runs the steps alone; each new "
+              "token's K/V to the rank that keeps them"),
 )
 BY_NAME = {a.name: a for a in REGISTRY}
 PREFILL_ALGORITHMS = tuple(a.name for a in REGISTRY if a.stage == "prefill")

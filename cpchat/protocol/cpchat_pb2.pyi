@@ -21,6 +21,7 @@ class Decode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECODE_EXCHANGE: _ClassVar[Decode]
     DECODE_RING: _ClassVar[Decode]
     DECODE_LEAD: _ClassVar[Decode]
+    DECODE_GATHER: _ClassVar[Decode]
 
 class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +36,8 @@ class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTPUT: _ClassVar[FrameKind]
     HALO: _ClassVar[FrameKind]
     STATE: _ClassVar[FrameKind]
+    SHARD: _ClassVar[FrameKind]
+    NEW_KV: _ClassVar[FrameKind]
 ALGORITHM_UNSPECIFIED: Algorithm
 PASS_KV: Algorithm
 PASS_Q: Algorithm
@@ -44,6 +47,7 @@ DECODE_UNSPECIFIED: Decode
 DECODE_EXCHANGE: Decode
 DECODE_RING: Decode
 DECODE_LEAD: Decode
+DECODE_GATHER: Decode
 FRAME_KIND_UNSPECIFIED: FrameKind
 KV: FrameKind
 QUERY: FrameKind
@@ -55,6 +59,8 @@ HEADS: FrameKind
 OUTPUT: FrameKind
 HALO: FrameKind
 STATE: FrameKind
+SHARD: FrameKind
+NEW_KV: FrameKind
 
 class ConfigureRequest(_message.Message):
     __slots__ = ("rank", "addresses", "ring_id", "shm_endpoints", "data_plane_backend", "data_plane_addresses")

@@ -24,7 +24,7 @@ import numpy as np
 
 from cpchat.core.algorithms import BY_NAME
 from cpchat.core.attention import add_sink, fused_attention, partial_attention
-from cpchat.core.quantized_kv import KV, Packed, arrays_of, full_precision
+from cpchat.core.quantized_kv import KV, KVFormat, Packed, arrays_of, full_precision
 from cpchat.core.sharding import Shares
 from cpchat.rank.algorithms import attend_function
 from cpchat.rank.fit import AttentionCall, UnsupportedModel
@@ -82,6 +82,7 @@ class RingPass:
     seq_len: int = 0  # new tokens in this forward (all ranks' together, in prefill)
     shares: Shares | None = None  # each rank's share of them (cpchat.core.sharding; None: equal)
     keeper: int = 0  # decode: the rank that keeps the new token's K/V
+    hand_on: bool = False  # decode on a copy of every rank's K/V (a gather step): new K/V kept for the keeper
     timings: list[StepTiming] = field(default_factory=list)
     calls: list[AttentionCall] = field(default_factory=list)  # what each layer asked of attention
     layer_calls: dict[int, LayerCall] = field(default_factory=dict)  # the same, as the algorithms take it
@@ -96,8 +97,9 @@ class RingPass:
     # ---- the two hooks the model calls
 
     def store_new(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        if not self.store or self.hand_on:
+            self.unkept[layer] = (keys, values)  # a lead or gather step sends them to their keeper
         if not self.store:
-            self.unkept[layer] = (keys, values)  # a lead decode step sends them to the rank that keeps them
             return
         k, v = _flatten_rows(keys), _flatten_rows(values)
         if not self.real.all():
@@ -169,15 +171,7 @@ class RingPass:
         return self.read_kv(self.take(timing, key, source))
 
     def read_kv(self, arrays: list[mx.array]) -> tuple[KV, KV, np.ndarray] | None:
-        """What `kv_block` made, back: None for a block of no keys."""
-        positions = np.asarray(arrays[-1])
-        if positions.size == 0:
-            return None
-        if len(arrays) == 3:
-            return arrays[0], arrays[1], positions
-        fmt = self.kv.format
-        k, v = (Packed(*arrays[i:i + 3], fmt.bits, fmt.group_size) for i in (0, 3))
-        return k, v, positions
+        return kv_from_block(arrays, self.kv.format)
 
     def send(self, timing: StepTiming, key: BlockKey, tensors: list[mx.array], to: list[int] | None = None
              ) -> None:
@@ -255,3 +249,14 @@ def kv_block(q: mx.array, k: KV | None, v: KV | None, k_pos: np.ndarray) -> list
         shape = (1, 1, 0, q.shape[-1])
         return [mx.zeros(shape, q.dtype), mx.zeros(shape, q.dtype), mx.zeros((0,), mx.int32)]
     return [*arrays_of(k), *arrays_of(v), mx.array(k_pos)]
+
+
+def kv_from_block(arrays: list[mx.array], fmt: KVFormat) -> tuple[KV, KV, np.ndarray] | None:
+    """What `kv_block` made, back: None for a block of no keys."""
+    positions = np.asarray(arrays[-1])
+    if positions.size == 0:
+        return None
+    if len(arrays) == 3:
+        return arrays[0], arrays[1], positions
+    k, v = (Packed(*arrays[i:i + 3], fmt.bits, fmt.group_size) for i in (0, 3))
+    return k, v, positions

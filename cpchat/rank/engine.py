@@ -12,6 +12,7 @@ import contextlib
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from cpchat.core.memory import ForwardMemory
 from cpchat.core.quantized_kv import BITS, FULL_PRECISION, GROUP_SIZES, KVFormat, quantized_from
 from cpchat.core.sharding import Shares, decode_owner, head_tail_layout, owner_of, owners
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank import context_parallel, fit, latent_attention, linear_layers
+from cpchat.rank import context_parallel, fit, gathered, latent_attention, linear_layers
 from cpchat.rank.algorithms import DECODE, PREFILL, decode
 from cpchat.rank.context_parallel import LayerCall, RingPass, ShardCache, StepTiming
 from cpchat.rank.cpu_products import COPY_SHARE, MIN_ROWS, keep_float32_weights, use_float32_products
@@ -314,6 +315,9 @@ class Engine:
         self.last_timings: list[StepTiming] = []
         self.last_algorithm = ""
         self.layer_calls: dict[int, LayerCall] = {}
+        self.gathered: KVShard | None = None  # rank 0's copy of every rank's K/V in a gather decode
+        self.handing: deque[tuple[int, int, gathered.NewKV]] = deque()  # its steps' new K/V, to hand on
+        self._streams = threading.local()
         self.prefill_cost = PrefillCost(0, 0, 0)  # of the loaded model, measured once when it loads
         self.forward_memory = ForwardMemory(0, 0)  # likewise
         self.weight_bytes = 0
@@ -453,6 +457,10 @@ class Engine:
         is left a graph too)."""
         position = self.total_tokens
         keeper = decode_owner(position, ring.size, _shares(req))
+        if DECODE[req.decode].name == "gather" and ring.size > 1:
+            logits = self._gather_step(req, ring, abort, token, position, keeper, evaluate)
+            self.total_tokens = position + 1
+            return logits
         store = keeper == ring.rank
         if store:
             self.kv.begin_append(np.array([position]))
@@ -485,14 +493,64 @@ class Engine:
         self.total_tokens = position + 1
         return logits if ring.rank == 0 else None
 
+    def _gather_step(self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, token: int | mx.array,
+                     position: int, keeper: int, evaluate: bool) -> mx.array | None:
+        """A gather decode step (cpchat.rank.gathered): rank 0 runs it alone on its copy of every rank's
+        K/V, as a rank alone does, and `_hand_on` gives the new token's K/V to the rank that keeps them
+        once evaluated; the others only keep theirs."""
+        self.last_timings, self.last_algorithm = [], "decode_gather"
+        if ring.rank != 0:
+            if keeper == ring.rank:
+                arrays, _ = ring.take(gathered.new_kv_key(req.request_id, position), abort, 0)
+                self._keep_new(position, gathered.unpack_new(arrays))
+            return None
+        if self.gathered is None:
+            self.gathered = gathered.gather_shards(self.kv, ring, abort, req.request_id, position)
+        if self.kv.quantized and not self.gathered.quantized:
+            self.gathered.quantize()
+        self.gathered.begin_append(np.array([position]))
+        ring_pass = RingPass(
+            request_id=req.request_id, algorithm="gather", ring=Ring(0, 1, {}, ring.mailbox),
+            kv=self.gathered, row_offsets=position, q_positions=np.array([position]), real=np.array([True]),
+            store=True, abort=abort, windows=self.windows, start=position, seq_len=1, keeper=keeper,
+            hand_on=True,
+        )
+        ids = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]])
+        logits = _run_model(self.model, ring_pass, ids, row=0, evaluate=evaluate)
+        self._record(ring_pass)
+        self.handing.append((position, keeper, ring_pass.unkept))
+        return logits
+
+    def _hand_on(self, req: pb.GenerateRequest, ring: Ring, index: int, sampled: list[mx.array]) -> None:
+        """After a gather step is evaluated: its new K/V to the rank that keeps them, its token to
+        every other rank. On an MLX stream of their own: the default one is evaluating the next step,
+        and anything queued behind it would wait for it."""
+        position, keeper, new = self.handing.popleft()
+        if not hasattr(self._streams, "side"):  # MLX streams belong to the thread that made them
+            self._streams.side = mx.new_stream(mx.cpu)
+        with mx.stream(self._streams.side):
+            if keeper == 0:
+                self._keep_new(position, new)
+            else:
+                ring.send(gathered.new_kv_key(req.request_id, position), gathered.pack_new(new), to=keeper)
+            self._send_token(req, ring, index, sampled)
+
+    def _keep_new(self, position: int, new: gathered.NewKV) -> None:
+        self.kv.begin_append(np.array([position]))
+        for layer, (k, v) in sorted(new.items()):
+            self.kv.append(layer, k, v)
+        self.kv.commit()
+
     def _answer(self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, emit,
                 first: pb.TokenEvent, stop: set[int], quantize_by: Callable[[int], None]) -> int:
         """Emit the first token and decode the rest; the last token (emitted, or the stop token).
         A rank alone runs as mlx-lm's generate_step does: the step after next is built from the next
         token before that token is known, so building one step overlaps evaluating the other, and a
-        step built from what turns out to be a stop token is forgotten. Ranks of a ring take each
-        token from the sampling rank before they step (linear layers' states keep that order too)."""
-        pipelined = ring.size == 1 and not self.info.linear
+        step built from what turns out to be a stop token is forgotten; so does rank 0 in gather steps,
+        handing each step on once evaluated. Other ranks of a ring take each token from the
+        sampling rank before they step (linear layers' states keep that order too)."""
+        alone = ring.size == 1 or (ring.rank == 0 and DECODE[req.decode].name == "gather")
+        pipelined = alone and not self.info.linear
 
         def step(previous: int | mx.array, index: int) -> list[mx.array]:
             quantize_by(self.total_tokens)
@@ -514,7 +572,10 @@ class Engine:
                 ahead = step(token, index + 1) if ahead is None else ahead
                 following = step(ahead[0], index + 2) if index + 2 < req.max_tokens else None
                 self.tokens = np.append(self.tokens, np.uint32(token))
-                event, ahead = token_event(ahead), following
+                event = token_event(ahead)
+                if ring.size > 1:  # a gather step, handed on while the next one evaluates
+                    self._hand_on(req, ring, index + 1, ahead)
+                ahead = following
             else:
                 quantize_by(self.total_tokens)
                 logits = self._decode(req, ring, abort, token)
@@ -527,8 +588,9 @@ class Engine:
 
     @staticmethod
     def _decode_threads(req: pb.GenerateRequest, ring: Ring) -> contextlib.AbstractContextManager:
-        """In a lead decode step rank 0 runs the weight products alone, on every core of the machine."""
-        if ring.rank == 0 and ring.size > 1 and DECODE[req.decode].name == "lead":
+        """In a lead or gather decode step rank 0 runs the weight products alone, on every core of the
+        machine."""
+        if ring.rank == 0 and ring.size > 1 and DECODE[req.decode].name in ("lead", "gather"):
             return blas.threads(blas.usable_cores())
         return contextlib.nullcontext()
 
@@ -550,9 +612,10 @@ class Engine:
             raise BadRequest(f"unknown algorithm {req.algorithm}")
         if req.decode not in DECODE:
             raise BadRequest(f"unknown decode exchange {req.decode}")
-        if DECODE[req.decode].name == "lead" and self.info.linear:
+        alone = DECODE[req.decode].name
+        if alone in ("lead", "gather") and self.info.linear:
             raise BadRequest(f"{self.info.model_type}'s linear layers keep a state that every rank advances "
-                             "with every token: a lead decode step, run by rank 0 alone, cannot serve it")
+                             f"with every token: a {alone} decode step, run by rank 0 alone, cannot serve it")
         if req.shares and (len(req.shares) != ranks or min(req.shares) < 1):
             raise BadRequest(f"{ranks} ranks need {ranks} positive shares, got {list(req.shares)}")
         bad = [t for t in req.tokens if t >= self.info.vocab_size]
@@ -624,6 +687,8 @@ class Engine:
             if self.slides:
                 self.keep_floor = start  # a roll back still needs the window before `start`
                 self._forget_outside_windows(prompt_end, rollback_to=start)
+            if DECODE[req.decode].name == "gather" and ring.rank and req.max_tokens > 1:
+                gathered.send_shard(self.kv, ring, req.request_id)  # while the first token is sampled
             source = owner_of(len(tokens) - 1, len(tokens), ring.size, _shares(req))
             first = self._agree(req, ring, abort, source, 0, logits)
             combine_ms = sum(t.wait_ms + t.compute_ms for t in self.last_timings  # what the ring added
@@ -644,6 +709,8 @@ class Engine:
             self.reset(start)
             raise
         finally:
+            self.gathered = None
+            self.handing.clear()
             for request_id in [req.request_id, *(f"{req.request_id}#{i}" for i in range(len(passes) - 1))]:
                 ring.mailbox.forget(request_id)
 
@@ -720,12 +787,16 @@ class Engine:
 
     def _agree(self, req, ring: Ring, abort, source: int, index: int, logits) -> pb.TokenEvent:
         """The source rank samples and sends the token to every other rank at once."""
-        key = BlockKey(req.request_id, 0, index, pb.TOKEN)
         if ring.rank == source:
             sampled = sample(logits, req.sampling, index)
             mx.eval(sampled)
-            if ring.size > 1:
-                ring.send_all(key, [a.reshape(-1) for a in sampled], ring.peers)
+            self._send_token(req, ring, index, sampled)
             return token_event(sampled)
-        arrays, _ = ring.take(key, abort, source)
+        arrays, _ = ring.take(BlockKey(req.request_id, 0, index, pb.TOKEN), abort, source)
         return token_event(arrays)
+
+    @staticmethod
+    def _send_token(req: pb.GenerateRequest, ring: Ring, index: int, sampled: list[mx.array]) -> None:
+        if ring.size > 1:
+            ring.send_all(BlockKey(req.request_id, 0, index, pb.TOKEN), [a.reshape(-1) for a in sampled],
+                          ring.peers)

@@ -62,7 +62,8 @@ HEALTH_CHECKED = ("", CONTROL_SERVICE)
 SERVING_STATES = frozenset({"ready", "busy"})  # a generation running is still serving
 _END = object()
 # Frames of a ring pass: their layer must be the model's, their step inside the ring.
-LAYER_KINDS = frozenset({pb.KV, pb.QUERY, pb.PARTIAL, pb.GATHER, pb.HEADS, pb.OUTPUT, pb.HALO, pb.STATE})
+LAYER_KINDS = frozenset({pb.KV, pb.QUERY, pb.PARTIAL, pb.GATHER, pb.HEADS, pb.OUTPUT, pb.HALO, pb.STATE,
+                         pb.SHARD})
 
 
 class NotNow(BadRequest):
@@ -98,7 +99,7 @@ def check_frame(f: pb.Frame, data_bytes: int, ring: Ring | None, ring_id: str, l
             raise FrameError(f"layer {f.layer} outside the model's {layers} layers")
         if f.step >= (2 * size if f.kind in (pb.PARTIAL, pb.QUERY) else size):  # decode: + N at odd positions
             raise FrameError(f"step {f.step} outside a ring of {size}")
-    elif f.kind not in (pb.TOKEN, pb.PROBE):
+    elif f.kind not in (pb.TOKEN, pb.PROBE, pb.NEW_KV):  # step: a token's index or position
         raise FrameError(f"unknown frame kind {f.kind}")
     if f.dtype not in DTYPES:
         raise FrameError(f"dtype {f.dtype!r} is not one of {', '.join(DTYPES)}")

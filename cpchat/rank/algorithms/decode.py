@@ -9,7 +9,10 @@ one message and one wake-up a hop, where a step's latency is what a user waits f
 `lead` is for ranks that share one machine's cores, where each rank's copy of a step's weight
 products only takes cores from the others: rank 0 alone runs the model and sends each layer's
 query to the other ranks (with the new token's keys and values to the one that keeps them), which
-`follow`: they attend the query over their keys and send their partials back, to be merged on rank 0."""
+`follow`: they attend the query over their keys and send their partials back, to be merged on rank 0.
+
+`gather` is for ranks that share one machine's memory too: rank 0 holds a copy of every rank's keys
+(cpchat.rank.gathered) and attends over them as one rank alone does; nothing crosses per layer."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import numpy as np
 
 from cpchat.core.attention import merge_partials
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank.context_parallel import LayerCall, Partial, RingPass
+from cpchat.rank.context_parallel import LayerCall, Partial, RingPass, StepTiming
 
 
 def exchange(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.array | None,
@@ -79,6 +82,12 @@ def follow(rp: RingPass, calls: list[LayerCall]) -> None:
         k, v, k_pos = rp.kv.layer(call.layer)
         mine = rp.partial(call, timing, q, rp.q_positions, k, v, k_pos)
         rp.send(timing, rp.key(call.layer, 0, pb.PARTIAL), [_packed(mine)], to=[0])
+
+
+def gather(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.array | None,
+           k_pos: np.ndarray) -> Partial:
+    """Rank 0's attention in a gather step, over its copy of every rank's keys (a ring of one)."""
+    return rp.partial(call, StepTiming(call.layer, 0), q, rp.q_positions, k, v, k_pos)
 
 
 def _packed(partial: Partial) -> mx.array:

@@ -88,21 +88,29 @@ class SharedMemoryLink(Link):
 
     def put(self, key: BlockKey, tensors: list[HostTensor]) -> None:
         """A small block goes out at once from the caller's thread (no hand-off to the link's: the
-        latency of a decode step's messages); larger ones are queued. The mailbox keys blocks, so
-        their order on the link does not matter."""
+        latency of a decode step's messages), unless the socket is full (a receiver that stopped
+        reading): then the link's thread sends the rest, and the caller never waits on a peer.
+        Larger blocks are queued. The mailbox keys blocks, so their order on the link does not
+        matter."""
         if sum(t.data.nbytes for t in tensors) > INLINE_BYTES:
             super().put(key, tensors)
             return
+        chunks = deque(block_chunks(self.ring_id, key, self.rank, tensors))  # all inline: no buffer space
         try:
-            for header, data in block_chunks(self.ring_id, key, self.rank, tensors):
-                self._send_chunk(header, data)  # every chunk is inline: the buffer stays the link thread's
+            while chunks:
+                self._send_chunk(*chunks[0], socket.MSG_DONTWAIT)
+                chunks.popleft()
+        except BlockingIOError:
+            self._queue.put(chunks)
         except OSError as e:
             self.error = f"link to rank {self.peer} failed: {e}"
 
     def _run(self) -> None:
         try:
-            for key, tensors in self._blocks():
-                for header, data in block_chunks(self.ring_id, key, self.rank, tensors):
+            for block in self._blocks():
+                if not isinstance(block, deque):  # a block's chunks, or the rest of a small block's
+                    block = block_chunks(self.ring_id, block[0], self.rank, block[1])
+                for header, data in block:
                     self._send_chunk(header, data)
             self._sock.send(BYE)
             self._sock.settimeout(CONNECT_TIMEOUT_S)
@@ -114,9 +122,9 @@ class SharedMemoryLink(Link):
             self._sock.close()
             self._buffer.close()
 
-    def _send_chunk(self, header: bytes, data: memoryview) -> None:
+    def _send_chunk(self, header: bytes, data: memoryview, flags: int = 0) -> None:
         if len(data) <= INLINE_BYTES:
-            self._sock.sendmsg([CHUNK.pack(INLINE, len(data), len(header)), header, data])
+            self._sock.sendmsg([CHUNK.pack(INLINE, len(data), len(header)), header, data], [], flags)
             return
         start = self._place(len(data))
         # numpy copies without the GIL, so the engine and the receiving thread run meanwhile.

@@ -34,6 +34,9 @@ class RingChart(Widget):
     def render(self) -> Text:
         totals = step_totals(self.steps)
         if not totals:
+            if self.pass_name == "decode_gather":  # rank 0 decoded alone, on its copy of every rank's K/V
+                return Text(f"last pass: {self.pass_name}: rank 0 alone, on a copy of every rank's K/V; "
+                            "nothing crossed per layer", style="dim")
             return Text("no ring pass yet", style="dim")
         longest = max(c + w for _, c, w, _ in totals) or 1.0
         text = Text(f"last pass: {self.pass_name or '—'}  ", style="bold")
