@@ -44,6 +44,10 @@ from cpchat.rank.statestore import StateStore
 from cpchat.rank.transport.ring import Aborted, Mailbox, Ring
 from cpchat.rank.transport.wire import BlockKey
 
+# Decode steps that rank 0 runs alone (cpchat.rank.algorithms.decode): the others cannot advance a
+# recurrent state with it, and rank 0 takes every core for its products.
+RANK_0_ALONE = frozenset({"lead", "gather"})
+
 
 class BadRequest(ValueError):
     pass
@@ -590,7 +594,7 @@ class Engine:
     def _decode_threads(req: pb.GenerateRequest, ring: Ring) -> contextlib.AbstractContextManager:
         """In a lead or gather decode step rank 0 runs the weight products alone, on every core of the
         machine."""
-        if ring.rank == 0 and ring.size > 1 and DECODE[req.decode].name in ("lead", "gather"):
+        if ring.rank == 0 and ring.size > 1 and DECODE[req.decode].name in RANK_0_ALONE:
             return blas.threads(blas.usable_cores())
         return contextlib.nullcontext()
 
@@ -612,10 +616,10 @@ class Engine:
             raise BadRequest(f"unknown algorithm {req.algorithm}")
         if req.decode not in DECODE:
             raise BadRequest(f"unknown decode exchange {req.decode}")
-        alone = DECODE[req.decode].name
-        if alone in ("lead", "gather") and self.info.linear:
+        step = DECODE[req.decode].name
+        if step in RANK_0_ALONE and self.info.linear:
             raise BadRequest(f"{self.info.model_type}'s linear layers keep a state that every rank advances "
-                             f"with every token: a {alone} decode step, run by rank 0 alone, cannot serve it")
+                             f"with every token: a {step} decode step, run by rank 0 alone, cannot serve it")
         if req.shares and (len(req.shares) != ranks or min(req.shares) < 1):
             raise BadRequest(f"{ranks} ranks need {ranks} positive shares, got {list(req.shares)}")
         bad = [t for t in req.tokens if t >= self.info.vocab_size]
