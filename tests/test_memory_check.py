@@ -32,6 +32,36 @@ WORKLOAD = Workload(new_tokens=10_000, cached_tokens=0, ranks=2, q_heads=8, kv_h
 FORWARD = [ForwardMemory(1e6, 20_000)] * 2
 
 
+MALLOC_PROBE = """
+import ctypes, sys
+from cpchat.rank.memory import reuse_freed_blocks
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                     "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                     "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "reuse":
+    reuse_freed_blocks()
+before = libc.mallinfo2().hblks
+block = libc.malloc(16 << 20)
+print(libc.mallinfo2().hblks - before)
+libc.free(block)
+"""
+
+
+def test_a_rank_keeps_freed_blocks_of_a_forward_for_reuse():
+    """By default glibc maps a 16 MiB block of its own (fresh pages, cleared by the kernel, each time
+    one is asked for); a rank keeps such blocks in its heap, for the next forward."""
+    mapped = {mode: int(subprocess.check_output([sys.executable, "-c", MALLOC_PROBE, mode], text=True))
+              for mode in ("default", "reuse")}
+    assert mapped == {"default": 1, "reuse": 0}
+
+
 def test_the_need_grows_with_the_prompt_and_falls_with_more_ranks():
     def total(w: Workload, algorithm: str = "pass_kv") -> float:
         return prefill_needs(w, algorithm, [FORWARD[0]] * w.ranks, [0] * w.ranks)[0].total

@@ -330,7 +330,8 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         "# cpchat bench",
         "",
         f"Command: `{command.strip()}`  ",
-        f"Model: `{Path(model).name}`; {args.repeats} repeat(s), best of them (median in the JSON), "
+        f"Model: `{Path(model).name}`; {args.repeats} repeat(s), best of them (median in the JSON; the "
+        "prefill estimate against the median), "
         "cpchat's clusters taking turns; "
         f"{args.decode} decoded tokens; {os.cpu_count()} cores; took {seconds:.0f} s."
         if rows
@@ -357,9 +358,9 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         sgemm = f"{100 * r.sgemm_share:.0f}%" if r.sgemm_share is not None else ""
         wait = "" if r.exchange_wait_ms is None \
             else f"{r.decode_step}: {r.exchange_wait_ms:.2f} ({r.exchange_overhead_ms:.2f})"
-        measured_s = r.context / r.best("prefill_tokens_per_s") if r.prefill_tokens_per_s else 0.0
+        measured_s = r.context / r.median("prefill_tokens_per_s") if r.prefill_tokens_per_s else 0.0
         estimate = ""
-        if r.estimate_s and measured_s:  # predicted seconds, and as a multiple of the measured ones
+        if r.estimate_s and measured_s:  # predicted seconds, as a multiple of the typical (median) prefill
             estimate = f"{r.estimate_s:.2f} s ({r.estimate_s / measured_s:.2f}×)"
         peak = f"{r.peak_estimate_bytes / MB:.0f} ({r.peak_estimate_bytes / r.peak_bytes_per_rank:.2f}×)" \
             if r.peak_estimate_bytes and r.peak_bytes_per_rank else ""

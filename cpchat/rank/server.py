@@ -32,7 +32,7 @@ from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 from cpchat.protocol.channel import SERVER_KEEPALIVE, TokenCheck, open_channel, token_metadata
 from cpchat.rank.calibration import MAX_PROBE_BYTES, PROBE_BYTES, Calibration, calibrate
 from cpchat.rank.engine import BadRequest, Engine, KVFormatRefused, UnsupportedModel
-from cpchat.rank.memory import free_bytes
+from cpchat.rank.memory import free_bytes, reuse_freed_blocks
 from cpchat.rank.prefix_cache import CacheMiss, PrefixStore
 from cpchat.rank.transport.data_plane import (
     DataPlane,
@@ -595,6 +595,7 @@ def serve(
     (None: it never touches the disk for them); `memory_limit`: bytes it may hold in all (None: what
     its device has)."""
     faulthandler.enable()  # a crash in native code leaves every thread's stack in the rank's log
+    reuse_freed_blocks()
     stop = threading.Event()
     state = RankState(token, tls_ca, memory_limit)
     state.engine.cache = cache
