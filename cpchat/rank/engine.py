@@ -240,22 +240,28 @@ def measure_prefill(model, info: ModelShape) -> tuple[PrefillCost, ForwardMemory
     peaks: dict[int, int] = {}
 
     def forward_s(tokens: int) -> float:
-        """A prefill forward of `tokens` on one rank, less its attention."""
+        """A prefill forward of `tokens` on one rank."""
         held = mx.get_active_memory()
         mx.reset_peak_memory()
         start = time.perf_counter()
         kv = _probe_forward(model, info.vocab_size, tokens // 2).kv
         seconds = time.perf_counter() - start
         peaks[tokens] = mx.get_peak_memory() - held - kv.nbytes  # the activations: K/V are counted apart
-        return seconds - attention.rank_seconds(0, rank_pairs(tokens, 0, 1, groups)[0])
+        return seconds
 
     def typical_s(tokens: int) -> float:
         return statistics.median(forward_s(tokens) for _ in range(3))
 
+    def own_attention_s(tokens: int) -> float:
+        return attention.rank_seconds(0, rank_pairs(tokens, 0, 1, groups)[0])
+
     few = 2 * MIN_ROWS
     short = typical_s(few)
     tokens = int(min(max(few * 0.6 / max(short, 1e-6), 4 * few), 1024)) // 2 * 2
-    fixed, per_token = line_through(few, short, tokens, typical_s(tokens))
+    long = typical_s(tokens)
+    fixed, per_token = line_through(few, short - own_attention_s(few), tokens, long - own_attention_s(tokens))
+    if per_token == 0:  # a tiny model's products, lost in its attention's noise: count them with it
+        fixed, per_token = line_through(few, short, tokens, long)
     memory = ForwardMemory(*line_through(few, peaks[few], tokens, peaks[tokens]))
     step = typical_s(2)  # rows of one token: a decode step's kernels
     return PrefillCost(fixed, per_token, visible, step, masked), memory
