@@ -168,7 +168,7 @@ def test_every_decode_step_gives_mlx_lms_tokens(clusters, model_dir, ranks):
     """Every way of running a decode step gives mlx-lm's tokens, and the stats name the one that ran:
     the ring takes N-1 hops a layer where the exchange takes one, in a lead step rank 0 sends a
     query and takes partials back (two steps) while the others take a query and answer (one), and in a
-    gather step nothing crosses per layer (rank 0 decodes on its copy of every rank's K/V)."""
+    gather step nothing crosses per layer (rank 0 decodes over every rank's K/V, sent to it once)."""
     path = model_dir("mistral")
     cluster = clusters.get(ranks, path)
     ids = random_prompt(path, 123, seed=5)

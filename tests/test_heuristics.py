@@ -172,7 +172,7 @@ def test_decode_takes_the_ring_only_where_three_hops_beat_one_exchange():
 
 def test_decode_runs_on_rank_0_alone_only_where_every_rank_shares_one_machine_and_no_state():
     """On one machine the other ranks' copies of the weight products only take cores from rank 0's:
-    the gather step where rank 0 can hold a copy of every rank's K/V, else the lead step, whatever the
+    the gather step where rank 0 can hold the other ranks' K/V, else the lead step, whatever the
     latencies; across machines, or with a state every rank must advance (linear layers), an exchange
     of partial outputs."""
     fast_hops = measured(hop_latency_s=2e-4, exchange_latency_s=1.2e-3, one_machine=True)

@@ -1,13 +1,30 @@
 import mlx.core as mx
 import numpy as np
 
-from cpchat.rank.gathered import pack_new, unpack_new
+from cpchat.core.quantized_kv import KVFormat, Packed
+from cpchat.rank.gathered import Gathered, pack_new, unpack_new
 from cpchat.rank.kvstore import GROW, KVShard
 
 
 def kv(n, start=0):
     k = mx.arange(start, start + n, dtype=mx.float32).reshape(1, 1, n, 1) * mx.ones((1, 2, 1, 4))
     return k, -k
+
+
+def test_a_decode_append_after_a_prefill_writes_into_the_prefills_buffer():
+    """A buffer keeps room when it grows, so the first decode steps after a prefill of a whole number
+    of steps append in place rather than copy the shard (a quarter of a second at 16K tokens)."""
+    shard = KVShard(num_layers=1)
+    shard.begin_append(np.arange(GROW))
+    shard.append(0, *kv(GROW))
+    shard.commit()
+    buffer = shard.keys[0]
+    for position in range(GROW, 2 * GROW):
+        shard.begin_append(np.array([position]))
+        shard.append(0, *kv(1, position))
+        shard.commit()
+        assert shard.keys[0] is buffer
+    assert shard.layer(0)[0][0, 0, :, 0].tolist() == list(range(2 * GROW))
 
 
 def test_append_grows_past_the_step_and_keeps_order():
@@ -83,3 +100,33 @@ def test_a_new_tokens_kv_crosses_as_one_flat_block_and_comes_back_whole():
     for layer, (k, v) in new.items():
         assert back[layer][0].shape == k.shape and back[layer][1].shape == v.shape
         assert mx.array_equal(back[layer][0], k).item() and mx.array_equal(back[layer][1], v).item()
+
+
+def test_rank_0_reads_every_ranks_kv_in_place_and_keeps_its_share_of_the_answer_at_the_end():
+    """A gather decode: rank 0 reads its own shard and the others' blocks as they are, holds the
+    answer's K/V apart (its shard does not change under the steps) and takes its own share of them
+    into its shard when the answer ends, the tokens before a stop token only."""
+    mine, theirs = KVShard(num_layers=2, linear=frozenset({1})), (*kv(3, 10), np.array([2, 3, 4]))
+    mine.begin_append(np.array([0, 1, 5]))
+    mine.append(0, *kv(3))
+    mine.commit()
+    gathered = Gathered(mine, {0: [theirs]})
+    for position in (6, 7, 8):
+        gathered.new.begin_append(np.array([position]))
+        gathered.new.append(0, *kv(1, 100 + position))
+        gathered.new.commit()
+        blocks = gathered.blocks(mine)
+        assert list(blocks) == [0] and [b[2].tolist() for b in blocks[0]] == [[0, 1, 5], [2, 3, 4]]
+        assert blocks[0][1][0] is theirs[0]  # as it arrived: no copy
+    gathered.hand_back(mine, lambda p: p % 2 == 0, below=8)  # 8 was built from a stop token
+    k, _, positions = mine.layer(0)
+    assert positions.tolist() == [0, 1, 5, 6] and k[0, 0, :, 0].tolist() == [0, 1, 2, 106]
+    fmt = KVFormat(4, 32, 0)  # K/V that turn quantized mid-answer: the others' blocks too
+    wide = (mx.ones((1, 1, 2, 32)), mx.ones((1, 1, 2, 32)), np.array([0, 1]))
+    gathered = Gathered(KVShard(num_layers=1, kv_format=fmt), {0: [wide]})
+    assert not gathered.quantized
+    gathered.quantize()
+    assert all(isinstance(x, Packed) for x in gathered.others[0][0][:2]) and gathered.new.quantized
+    quantized = KVShard(num_layers=1, kv_format=fmt)
+    quantized.quantize()
+    assert Gathered(quantized, {}).quantized

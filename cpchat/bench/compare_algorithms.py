@@ -5,7 +5,7 @@ every context, repeat after repeat in turn, so noise on a busy machine falls on 
 report says which algorithm was fastest, which one auto (the cost model, cpchat/core/heuristics.py)
 picks from the same cluster's calibration, and how much slower its pick measured than the fastest.
 Decode is timed with partial outputs exchanged in one step or passed round the ring, or with rank 0
-alone running the model (lead, or gather on its copy of every rank's K/V), and each link's
+alone running the model (lead, or gather over every rank's K/V), and each link's
 small-message latency is listed, as those are what the cost model weighs.
 """
 
@@ -435,7 +435,7 @@ def write_comparison(out: Path, result: Comparison, seconds: float) -> None:
         lines += ["", f"## Decode, ms per token ({result.decode_tokens} tokens after a pass-KV prefill)", "",
                   "Partial outputs sent to every rank in one step (exchange) or passed round the ring "
                   "(ring), or rank 0 alone running the model and every other rank attending its queries "
-                  "(lead) or on its copy of every rank's K/V (gather); the estimates are the cost model's "
+                  "(lead) or over every rank's K/V, sent once (gather); the estimates are the cost model's "
                   "communication time per token.", ""]
         lines += decode_table(result.decode)
     if result.latency:

@@ -8,8 +8,8 @@ rank holds now (its weights and runtime) plus the prefill's need (activations, i
 tiles, the ring's blocks), or the peak it already reached loading the model, whichever is more. TTFT
 is the prefill estimate (cpchat.core.estimate) and the chosen algorithm's transfers
 (cpchat.core.heuristics). A decode step is the measured forward of one token a row, attention over
-the rank's keys (every key, in a gather step), and the exchange of partials; a gather step's copy of
-the K/V adds to rank 0's peak."""
+the rank's keys (every key, in a gather step), and the exchange of partials; the other ranks' K/V
+a gather step holds add to rank 0's peak."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from cpchat.client.memory import shortfall
 from cpchat.client.session import Session
 from cpchat.core.estimate import rank_seconds
 from cpchat.core.heuristics import decode_estimates, transfer_seconds
-from cpchat.core.memory import kv_bytes_per_token, prefill_needs
+from cpchat.core.memory import gather_bytes, kv_bytes_per_token, prefill_needs
 from cpchat.core.sharding import rank_tokens
 from cpchat.format import human_bytes, human_duration
 
@@ -65,8 +65,8 @@ def make_plan(session: Session, context: int, answer_tokens: int) -> Plan:
                       _peak(r.computes_on_cpu, s, n.total), n.total, n.free_bytes, t)
              for r, s, n, t, a in zip(cluster.ranks, stats, needs, held, answer, strict=True)]
     decode_step = session.decode_exchange(context, answer_tokens)
-    if decode_step == "gather":  # rank 0 also holds a copy of every rank's K/V while it answers
-        copy = (context + answer_tokens) * kv_bytes_per_token(w)
+    if decode_step == "gather":  # rank 0 also holds every other rank's K/V while it answers
+        copy = gather_bytes(w, context, answer_tokens)
         r0 = ranks[0]
         ranks[0] = replace(r0, peak_bytes=max(r0.peak_bytes, stats[0].rss_bytes + r0.kv_bytes + copy))
     cost = cluster.prefill_cost

@@ -28,7 +28,7 @@ from cpchat.client.prefixes import MIN_GAIN, PrefixChoice, PrefixGone, choose_pr
 from cpchat.client.settings import parse_shares
 from cpchat.core.estimate import balanced_shares, rank_seconds
 from cpchat.core.heuristics import GATHER_SHARE, Measured, Workload, choose_algorithm, choose_decode
-from cpchat.core.memory import kv_bytes_per_token
+from cpchat.core.memory import gather_bytes
 from cpchat.core.sharding import Shares, rank_tokens
 from cpchat.errors import BadInput
 
@@ -277,7 +277,7 @@ class Session:
         w, m = self.workload(1, cached_tokens), self.measured()
         copy_fits = False
         if w.ranks > 1 and m.one_machine and not w.states:
-            copy = kv_bytes_per_token(w) * (cached_tokens + answer_tokens)
+            copy = gather_bytes(w, cached_tokens, answer_tokens)
             copy_fits = copy * GATHER_SHARE <= self.cluster.free_memory()[0]
         return choose_decode(w, m, copy_fits)
 

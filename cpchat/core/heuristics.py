@@ -31,10 +31,10 @@ the model (the lead step): the query out to every other rank and their partials 
 + S)/B with Q1 = Hq D e. It costs a message more than the exchange, but where every rank computes on
 one machine's cores the others' copies of the weight products only take cores from rank 0's: there
 the lead step is taken, unless some layer keeps a recurrent state that every rank must advance. Or
-rank 0 holds a copy of every rank's K/V for the answer (the gather step) and nothing crosses per
-layer; only the new token's K/V go to the rank that keeps them, L Hkv (D + Dv) e bytes, off the step's
-path. Its memory is one machine's too: where the copy fits in GATHER_SHARE of rank 0's free memory,
-the gather step is taken there instead of the lead step.
+rank 0 holds every other rank's K/V for the answer (the gather step) and nothing crosses per layer;
+only the new token's K/V go to the rank that keeps them, L Hkv (D + Dv) e bytes, off the step's path.
+Its memory is one machine's too: where those K/V fit in GATHER_SHARE of rank 0's free memory, the
+gather step is taken there instead of the lead step.
 
 Meta's rule (arXiv 2411.01783, section 3) is this model restricted to pass-KV and pass-Q:
 pass-KV when T/(T+P) ≥ 2 Hkv/Hq (then K ≤ Q, so every pass-KV hop costs less than a pass-Q one)
@@ -52,7 +52,7 @@ from cpchat.core.algorithms import DECODE_EXCHANGES, PREFILL_ALGORITHMS, title
 from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
 from cpchat.core.sharding import Shares, head_split
 
-GATHER_SHARE = 4  # a gather step's copy of the K/V may take 1/GATHER_SHARE of rank 0's free memory
+GATHER_SHARE = 4  # a gather step's K/V from other ranks may take 1/GATHER_SHARE of rank 0's free memory
 
 
 @dataclass(frozen=True)
@@ -169,8 +169,8 @@ def decode_estimates(w: Workload, m: Measured) -> dict[str, float]:
 
 def choose_decode(w: Workload, m: Measured, copy_fits: bool = False) -> str:
     """How decode steps share the work: where every rank computes on one machine's cores (and no state
-    needs every rank), the gather step if rank 0 can hold the copy (`copy_fits`), else the lead step;
-    elsewhere whichever exchange of partial outputs is estimated faster (one exchange on a tie)."""
+    needs every rank), the gather step if rank 0 can hold the other ranks' K/V (`copy_fits`), else the
+    lead step; elsewhere whichever exchange of partial outputs is estimated faster (one exchange on a tie)."""
     if w.ranks > 1 and m.one_machine and not w.states:
         return "gather" if copy_fits else "lead"
     estimates = decode_estimates(w, m)

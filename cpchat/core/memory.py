@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from cpchat.core.attention import TILE
 from cpchat.core.heuristics import Workload
-from cpchat.core.sharding import Shares, chunk_lengths
+from cpchat.core.sharding import Shares, chunk_lengths, rank_tokens
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,13 @@ def kv_bytes_per_token(w: Workload, layers: int = 0, packed: bool | None = None)
     packed = w.kv_format.quantized if packed is None else packed
     element = w.kv_format.bytes_per_element(w.bytes_per_element) if packed else w.bytes_per_element
     return (layers or w.layers) * w.kv_heads * (w.head_dim + w.value_dim) * element
+
+
+def gather_bytes(w: Workload, cached_tokens: int, answer_tokens: int) -> float:
+    """What rank 0 holds for a gather decode besides its own shard: the other ranks' K/V, as they
+    sent them, and the answer's."""
+    others = cached_tokens - rank_tokens(cached_tokens, w.ranks, w.shares)[0]
+    return kv_bytes_per_token(w) * (others + answer_tokens)
 
 
 def tile_bytes(w: Workload, tokens: int) -> float:

@@ -39,6 +39,7 @@ from cpchat.rank.transport.wire import BlockKey, block_nbytes
 LAZY_DECODE_SCORES = 1 << 16
 
 Partial = tuple[mx.array, mx.array]  # (out [1, H, L, Dv] float32, lse [1, H, L]): cpchat.core.attention
+Block = tuple[KV, KV, np.ndarray]  # keys [1, Hkv, n, D], values and their n positions
 
 
 @dataclass
@@ -82,7 +83,8 @@ class RingPass:
     seq_len: int = 0  # new tokens in this forward (all ranks' together, in prefill)
     shares: Shares | None = None  # each rank's share of them (cpchat.core.sharding; None: equal)
     keeper: int = 0  # decode: the rank that keeps the new token's K/V
-    hand_on: bool = False  # decode on a copy of every rank's K/V (a gather step): new K/V kept for the keeper
+    hand_on: bool = False  # a gather step (rank 0 alone, on every rank's K/V): new K/V kept for the keeper
+    held: dict[int, list[Block]] = field(default_factory=dict)  # a gather step's blocks besides `kv`'s
     timings: list[StepTiming] = field(default_factory=list)
     calls: list[AttentionCall] = field(default_factory=list)  # what each layer asked of attention
     layer_calls: dict[int, LayerCall] = field(default_factory=dict)  # the same, as the algorithms take it
@@ -137,14 +139,15 @@ class RingPass:
     # ---- what the algorithms use
 
     def partial(self, call: LayerCall, timing: StepTiming, q: mx.array, q_pos: np.ndarray,
-                k: KV | None, v: KV | None, k_pos: np.ndarray) -> Partial:
+                k: KV | None, v: KV | None, k_pos: np.ndarray, keys: int = 0) -> Partial:
         """Attention of `q` over one block of keys (cpchat.core.attention), its time in `timing`.
-        Quantized keys and values are dequantized first (the block's, then dropped)."""
+        Quantized keys and values are dequantized first (the block's, then dropped). `keys`: how many
+        the query attends in all, in this block and others (a gather step's), if more."""
         if k is None or len(k_pos) == 0:
             return empty_partial(q, call.value_dim)
         k, v = full_precision(k), full_precision(v)
         if self.ring.size == 1:  # nothing to overlap or report
-            lazy = self.decoding and q.shape[1] * len(k_pos) <= LAZY_DECODE_SCORES
+            lazy = self.decoding and q.shape[1] * max(keys, len(k_pos)) <= LAZY_DECODE_SCORES
             return partial_attention(q, k, v, q_pos, k_pos, call.scale, window=call.window,
                                      xp=mx if lazy else None)
         t0 = time.perf_counter()

@@ -336,7 +336,7 @@ class Engine:
         self.last_timings: list[StepTiming] = []
         self.last_algorithm = ""
         self.layer_calls: dict[int, LayerCall] = {}
-        self.gathered: KVShard | None = None  # rank 0's copy of every rank's K/V in a gather decode
+        self.gathered: gathered.Gathered | None = None  # rank 0's view of every rank's K/V in a gather decode
         self.handing: deque[tuple[int, int, gathered.NewKV]] = deque()  # its steps' new K/V, to hand on
         self._streams = threading.local()
         self.prefill_cost = PrefillCost(0, 0, 0)  # of the loaded model, measured once when it loads
@@ -516,9 +516,9 @@ class Engine:
 
     def _gather_step(self, req: pb.GenerateRequest, ring: Ring, abort: threading.Event, token: int | mx.array,
                      position: int, keeper: int, evaluate: bool) -> mx.array | None:
-        """A gather decode step (cpchat.rank.gathered): rank 0 runs it alone on its copy of every rank's
-        K/V, as a rank alone does, and `_hand_on` gives the new token's K/V to the rank that keeps them
-        once evaluated; the others only keep theirs."""
+        """A gather decode step (cpchat.rank.gathered): rank 0 runs it alone over every rank's K/V, as a
+        rank alone does, and `_hand_on` gives the new token's K/V to the rank that keeps them once
+        evaluated; the others only keep theirs."""
         self.last_timings, self.last_algorithm = [], "decode_gather"
         if ring.rank != 0:
             if keeper == ring.rank:
@@ -526,15 +526,15 @@ class Engine:
                 self._keep_new(position, gathered.unpack_new(arrays))
             return None
         if self.gathered is None:
-            self.gathered = gathered.gather_shards(self.kv, ring, abort, req.request_id, position)
+            self.gathered = gathered.gather_shards(self.kv, ring, abort, req.request_id)
         if self.kv.quantized and not self.gathered.quantized:
             self.gathered.quantize()
-        self.gathered.begin_append(np.array([position]))
+        self.gathered.new.begin_append(np.array([position]))
         ring_pass = RingPass(
             request_id=req.request_id, algorithm="gather", ring=Ring(0, 1, {}, ring.mailbox),
-            kv=self.gathered, row_offsets=position, q_positions=np.array([position]), real=np.array([True]),
-            store=True, abort=abort, windows=self.windows, start=position, seq_len=1, keeper=keeper,
-            hand_on=True,
+            kv=self.gathered.new, row_offsets=position, q_positions=np.array([position]),
+            real=np.array([True]), store=True, abort=abort, windows=self.windows, start=position, seq_len=1,
+            keeper=keeper, hand_on=True, held=self.gathered.blocks(self.kv),
         )
         ids = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]])
         logits = _run_model(self.model, ring_pass, ids, row=0, evaluate=evaluate)
@@ -550,9 +550,7 @@ class Engine:
         if not hasattr(self._streams, "side"):  # MLX streams belong to the thread that made them
             self._streams.side = mx.new_stream(mx.cpu)
         with mx.stream(self._streams.side):
-            if keeper == 0:
-                self._keep_new(position, new)
-            else:
+            if keeper:  # rank 0's own are in self.gathered.new until the answer ends
                 ring.send(gathered.new_kv_key(req.request_id, position), gathered.pack_new(new), to=keeper)
             self._send_token(req, ring, index, sampled)
 
@@ -605,6 +603,10 @@ class Engine:
         if ahead is not None:  # built from a stop token: its K/V go
             self.total_tokens -= 1
             self.kv.truncate(self.total_tokens)
+        if self.gathered is not None:
+            shares = _shares(req)
+            self.gathered.hand_back(self.kv, lambda p: decode_owner(p, ring.size, shares) == 0,
+                                    below=self.total_tokens)
         return event.id
 
     @staticmethod

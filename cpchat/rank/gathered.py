@@ -1,24 +1,26 @@
-"""Rank 0's copy of every rank's K/V, for a gather decode.
+"""Rank 0's view of every rank's K/V, for a gather decode.
 
 Where the ranks share one machine's cores and memory, the cheapest decode step exchanges nothing per
 layer: while the answer's first token is sampled every other rank sends its shard to rank 0
-(`send_shard`), which holds them with its own (`gather_shards`), the store one rank alone would have,
-and runs each step as one rank does (one lazy graph a token, the next built while this one
-evaluates). Each step's new keys and values go to the rank that keeps them (`pack_new`,
-`unpack_new`), so the shards stay as every other decode leaves them; the copy is dropped with the
-answer.
+(`send_shard`), which keeps the blocks as they arrive (`gather_shards`) and runs each step as one
+rank does, attending over its own shard, those blocks and the answer's new tokens and merging the
+partials. Nothing is copied into one store: at 16K tokens that copy took a quarter of a second an
+answer (fresh memory's pages). Each step's new keys and values go to the rank that keeps them
+(`pack_new`, `unpack_new`); rank 0 keeps its own share in `Gathered.new` until the answer ends
+(`hand_back`), so that the shard the steps read does not change under them.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 
-from cpchat.core.quantized_kv import KV, Packed, concatenate, quantize
+from cpchat.core.quantized_kv import KV, Packed, quantize, take
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank.context_parallel import kv_block, kv_from_block
+from cpchat.rank.context_parallel import Block, kv_block, kv_from_block
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.transport.ring import Ring
 from cpchat.rank.transport.wire import BlockKey
@@ -45,29 +47,69 @@ def send_shard(kv: KVShard, ring: Ring, request_id: str) -> None:
         ring.send(shard_key(request_id, layer), kv_block(mx.zeros((1, 1, 0, 1)), k, v, positions), to=0)
 
 
-def gather_shards(kv: KVShard, ring: Ring, abort: threading.Event, request_id: str, tokens: int) -> KVShard:
-    """Rank 0's own shard and every other rank's, as one store of `tokens` tokens (keys in rank order:
-    positions, not places, say what a query sees)."""
-    held = {}
+class Gathered:
+    """What rank 0 attends over in one answer's gather steps besides its own shard: the other ranks'
+    blocks per attention layer (`others`), and the tokens the answer adds (`new`, every layer)."""
+
+    def __init__(self, kv: KVShard, others: dict[int, list[Block]]) -> None:
+        self.others = others
+        self.new = KVShard(kv.num_layers, kv.linear, kv.format)
+        if kv.quantized:
+            self.new.quantize()
+
+    @property
+    def quantized(self) -> bool:
+        return self.new.quantized
+
+    def blocks(self, kv: KVShard) -> dict[int, list[Block]]:
+        """Per attention layer, the blocks a step reads besides the new tokens: rank 0's own shard's,
+        then the others'."""
+        return {layer: [kv.layer(layer), *self.others.get(layer, [])] for layer in attention_layers(kv)}
+
+    def quantize(self) -> None:
+        """Hold everything quantized, as rank 0's shard just turned (per token: the same arrays,
+        early or late)."""
+        self.new.quantize()
+        self.others = {layer: [_as_held(block, self.new) for block in blocks]
+                       for layer, blocks in self.others.items()}
+
+    def hand_back(self, kv: KVShard, mine: Callable[[int], bool], below: int) -> None:
+        """Rank 0's share of the answer's tokens (those `mine`, before `below`) into its shard."""
+        positions = self.new.positions
+        keep = np.array([p < below and mine(int(p)) for p in positions], dtype=bool)
+        if not keep.any():
+            return
+        index = mx.array(np.flatnonzero(keep))
+        kv.begin_append(positions[keep])
+        for layer in attention_layers(kv):
+            k, v, _ = self.new.layer(layer)
+            kv.append(layer, take(k, index, axis=2), take(v, index, axis=2))
+        kv.commit()
+
+
+def gather_shards(kv: KVShard, ring: Ring, abort: threading.Event, request_id: str) -> Gathered:
+    """Every other rank's shard, as `send_shard` sent it."""
+    others: dict[int, list[Block]] = {}
     for layer in attention_layers(kv):
-        parts = [kv.layer(layer)]
         for source in ring.peers:
             arrays, _ = ring.take(shard_key(request_id, layer), abort, source)
-            parts.append(kv_from_block(arrays, kv.format) or (None, None, None))
-        parts = [p for p in parts if p[0] is not None and len(p[2])]
-        if not parts:
-            continue
-        held[layer] = (*(concatenate([_as_held(p[i], kv) for p in parts], axis=2) for i in (0, 1)),
-                       np.concatenate([p[2] for p in parts]))
-    copy = KVShard(kv.num_layers, kv.linear, kv.format)
-    copy.fill(np.arange(tokens, dtype=np.int32), held, quantized=kv.quantized)
-    return copy
+            block = kv_from_block(arrays, kv.format)
+            if block is not None:
+                others.setdefault(layer, []).append(_as_held(block, kv))
+    return Gathered(kv, others)
 
 
-def _as_held(x: KV, kv: KVShard) -> KV:
-    """A shard sent before the step that turned the K/V quantized, quantized as rank 0's own was
-    (per token: the same arrays, early or late)."""
-    return quantize(x, kv.format) if kv.quantized and not isinstance(x, Packed) else x
+def _as_held(block: Block, kv: KVShard) -> Block:
+    """A block in the form `kv` holds its own: quantized if it is (a block sent before the step that
+    turned the K/V quantized)."""
+    if not kv.quantized:
+        return block
+    k, v, positions = block
+    return _quantized(k, kv), _quantized(v, kv), positions
+
+
+def _quantized(x: KV, kv: KVShard) -> KV:
+    return x if isinstance(x, Packed) else quantize(x, kv.format)
 
 
 def pack_new(new: NewKV) -> list[mx.array]:

@@ -4,10 +4,13 @@ Positions are global, so masks never depend on where a token lives. Every
 layer stores the tokens this rank owns, except that a sliding-window layer may
 `forget` keys no later query can see; so each layer keeps its own positions,
 and `positions` lists the tokens the rank owns (what it reports and rolls back).
-Buffers grow in steps, as mlx-lm's KVCache does, so decode appends do not copy
-the whole shard. With `--kv-bits` the shard turns quantized when the engine says
-(`quantize`, cpchat.core.quantized_kv): from then on a layer's keys and values are
-`Packed` (words, scales, biases) and every append is quantized as it arrives.
+Buffers grow in steps, as mlx-lm's KVCache does, and keep room for GROW more
+tokens whenever they grow, so neither a decode append nor the first one after a
+prefill copies the whole shard (at 16K tokens such a copy takes a quarter of a
+second: the fresh memory's pages are what cost). With `--kv-bits` the shard
+turns quantized when the engine says (`quantize`, cpchat.core.quantized_kv):
+from then on a layer's keys and values are `Packed` (words, scales, biases) and
+every append is quantized as it arrives.
 """
 
 from __future__ import annotations
@@ -53,14 +56,15 @@ class KVShard:
         self._pending = positions.astype(np.int32)
 
     def append(self, layer: int, keys: mx.array, values: mx.array) -> None:
-        """Append [1, Hkv, n, D] keys/values of the pending positions to one layer."""
-        if self.quantized:
+        """Append [1, Hkv, n, D] keys/values of the pending positions to one layer (quantized ones
+        too, to a quantized shard)."""
+        if self.quantized and not isinstance(keys, Packed):
             keys, values = quantize(keys, self.format), quantize(values, self.format)
         n_new = keys.shape[2]
         start = self._lengths[layer]
         buf = self.keys[layer]
         if buf is None or start + n_new > buf.shape[2]:
-            capacity = (start + n_new + GROW - 1) // GROW * GROW
+            capacity = (start + n_new + 2 * GROW - 1) // GROW * GROW
             self.keys[layer] = _grown(buf, keys, start, capacity)
             self.values[layer] = _grown(self.values[layer], values, start, capacity)  # MLA: own size
         for buf, new in ((self.keys[layer], keys), (self.values[layer], values)):

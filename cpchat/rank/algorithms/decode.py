@@ -11,8 +11,9 @@ products only takes cores from the others: rank 0 alone runs the model and sends
 query to the other ranks (with the new token's keys and values to the one that keeps them), which
 `follow`: they attend the query over their keys and send their partials back, to be merged on rank 0.
 
-`gather` is for ranks that share one machine's memory too: rank 0 holds a copy of every rank's keys
-(cpchat.rank.gathered) and attends over them as one rank alone does; nothing crosses per layer."""
+`gather` is for ranks that share one machine's memory too: rank 0 holds every other rank's keys for
+the answer (cpchat.rank.gathered) and attends over them and its own as one rank alone does; nothing
+crosses per layer."""
 
 from __future__ import annotations
 
@@ -86,8 +87,11 @@ def follow(rp: RingPass, calls: list[LayerCall]) -> None:
 
 def gather(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.array | None,
            k_pos: np.ndarray) -> Partial:
-    """Rank 0's attention in a gather step, over its copy of every rank's keys (a ring of one)."""
-    return rp.partial(call, StepTiming(call.layer, 0), q, rp.q_positions, k, v, k_pos)
+    """Rank 0's attention in a gather step (a ring of one): over its own shard and the other ranks'
+    (`rp.held`) and the answer's new tokens (`k`, `v`), merged."""
+    timing, blocks = StepTiming(call.layer, 0), [*rp.held.get(call.layer, []), (k, v, k_pos)]
+    keys = sum(len(block[2]) for block in blocks)  # lazy or numpy, as one rank with them all would be
+    return merge_partials([rp.partial(call, timing, q, rp.q_positions, *b, keys=keys) for b in blocks])
 
 
 def _packed(partial: Partial) -> mx.array:
