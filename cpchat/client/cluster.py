@@ -441,7 +441,9 @@ class Cluster:
         return [reply.memory_free_bytes for reply in self._health()]
 
     def _health(self) -> list[pb.HealthReply]:
-        return self._each(lambda r: r.control.Health(pb.HealthRequest(), timeout=HEALTH_DEADLINE_S,
+        """Every rank's Health, as a turn asks it (free memory, CPU allowance): a rank silent for
+        SILENCE_S has stopped, by the rule its beats follow; one that pauses less is only slow."""
+        return self._each(lambda r: r.control.Health(pb.HealthRequest(), timeout=SILENCE_S,
                                                      metadata=self.metadata))
 
     @property
