@@ -110,6 +110,11 @@ def full_precision(x: KV) -> mx.array:
     return x.dequantize() if isinstance(x, Packed) else x
 
 
+def packed(x: KV, fmt: KVFormat) -> Packed:
+    """K or V quantized, unless it already is."""
+    return x if isinstance(x, Packed) else quantize(x, fmt)
+
+
 def quantized_from(start: int, tokens: int, kv_start: int, lone_first: bool = False) -> int:
     """The first position whose queries see quantized K/V, for a prefill of `tokens` new tokens at
     `start` over a cache not yet quantized, and the decode after it (every decode token is a call of

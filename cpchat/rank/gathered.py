@@ -18,7 +18,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from cpchat.core.quantized_kv import KV, Packed, quantize, take
+from cpchat.core.quantized_kv import packed, take
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.context_parallel import Block, kv_block, kv_from_block
 from cpchat.rank.kvstore import KVShard
@@ -105,11 +105,7 @@ def _as_held(block: Block, kv: KVShard) -> Block:
     if not kv.quantized:
         return block
     k, v, positions = block
-    return _quantized(k, kv), _quantized(v, kv), positions
-
-
-def _quantized(x: KV, kv: KVShard) -> KV:
-    return x if isinstance(x, Packed) else quantize(x, kv.format)
+    return packed(k, kv.format), packed(v, kv.format), positions
 
 
 def pack_new(new: NewKV) -> list[mx.array]:

@@ -18,7 +18,17 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from cpchat.core.quantized_kv import FULL_PRECISION, KV, KVFormat, Packed, apply, arrays_of, quantize, take
+from cpchat.core.quantized_kv import (
+    FULL_PRECISION,
+    KV,
+    KVFormat,
+    Packed,
+    apply,
+    arrays_of,
+    packed,
+    quantize,
+    take,
+)
 
 GROW = 256
 
@@ -58,8 +68,8 @@ class KVShard:
     def append(self, layer: int, keys: mx.array, values: mx.array) -> None:
         """Append [1, Hkv, n, D] keys/values of the pending positions to one layer (quantized ones
         too, to a quantized shard)."""
-        if self.quantized and not isinstance(keys, Packed):
-            keys, values = quantize(keys, self.format), quantize(values, self.format)
+        if self.quantized:
+            keys, values = packed(keys, self.format), packed(values, self.format)
         n_new = keys.shape[2]
         start = self._lengths[layer]
         buf = self.keys[layer]
