@@ -4,7 +4,13 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cpchat.core.attention import add_sink, fused_attention, merge_partials, partial_attention
+from cpchat.core.attention import (
+    add_sink,
+    attention_over_blocks,
+    fused_attention,
+    merge_partials,
+    partial_attention,
+)
 
 
 def reference(q, k, v, scale):
@@ -177,6 +183,36 @@ def test_sliding_window_and_value_size_in_blocks(problem, window, value_dim, xp)
     assert out.shape == expected.shape
     assert np.abs(np.array(out) - expected).max() <= 5e-5
     assert np.allclose(np.array(lse), np.log(np.exp(s).sum(axis=-1)), atol=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(problem=problems(), window=st.one_of(st.none(), st.integers(1, 40)),
+       value_dim=st.sampled_from([None, 24]))
+def test_attention_over_blocks_is_one_softmax_over_every_block(problem, window, value_dim):
+    """A decode step's attention over a rank's blocks of keys (positions in any order, some blocks
+    wholly out of the window) equals one float64 pass over all the keys, out and lse."""
+    kv_heads, groups, lq, lk, d, cuts, _, seed, _ = problem
+    q, k, v = random_qkv(kv_heads, groups, lq, lk, d, seed, mx.float32)
+    if value_dim:
+        v = mx.random.normal((1, kv_heads, lk, value_dim), key=mx.random.key(seed + 7))
+    q_pos, k_pos = np.arange(lk - lq, lk), np.arange(lk)
+    order = np.random.default_rng(seed).permutation(lk)
+    blocks = [(k[:, :, mx.array(b)], v[:, :, mx.array(b)], b) for b in np.split(order, cuts)]
+    out, lse = attention_over_blocks(q, blocks, q_pos, 0.3, window)
+    qn, kn, vn = (np.repeat(np.array(a, np.float64), g, axis=1) for a, g in ((q, 1), (k, groups), (v, groups))
+                  )
+    delta = q_pos[:, None] - k_pos[None, :]
+    s = np.where((delta >= 0) & (delta < (window or lk + 1)), 0.3 * qn @ kn.swapaxes(-1, -2), -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    assert out.shape == (1, kv_heads * groups, lq, value_dim or d)
+    assert np.abs(np.array(out) - (p / p.sum(axis=-1, keepdims=True)) @ vn).max() <= 5e-5
+    assert np.allclose(np.array(lse), np.log(np.exp(s).sum(axis=-1)), atol=1e-4)
+
+
+def test_attention_over_blocks_refuses_a_query_that_sees_no_key():
+    q, k, v = random_qkv(1, 2, 1, 4, 8, 0, mx.float32)
+    with pytest.raises(ValueError, match="sees no key"):
+        attention_over_blocks(q, [(k, v, np.arange(4))], np.array([10]), 1.0, window=3)
 
 
 @BACKENDS

@@ -1,9 +1,13 @@
+import threading
+
 import mlx.core as mx
 import numpy as np
 
 from cpchat.core.quantized_kv import KVFormat, Packed
+from cpchat.rank.context_parallel import RingPass
 from cpchat.rank.gathered import Gathered, pack_new, unpack_new
 from cpchat.rank.kvstore import GROW, KVShard
+from cpchat.rank.transport.ring import Mailbox, Ring
 
 
 def kv(n, start=0):
@@ -25,6 +29,26 @@ def test_a_decode_append_after_a_prefill_writes_into_the_prefills_buffer():
         shard.commit()
         assert shard.keys[0] is buffer
     assert shard.layer(0)[0][0, 0, :, 0].tolist() == list(range(2 * GROW))
+
+
+def test_a_gather_step_on_a_gpu_attends_over_every_ranks_blocks(monkeypatch):
+    """A rank alone on a GPU attends through MLX's fused kernel over its own shard; a gather step runs
+    as a ring of one too, but over the other ranks' blocks besides, and attends over them all. (The
+    GPU is pretended: this machine has none.)"""
+    rng = np.random.default_rng(0)
+    k, v = (mx.array(rng.standard_normal((1, 2, 7, 8)).astype(np.float32)) for _ in range(2))
+    q = mx.array(rng.standard_normal((1, 4, 1, 8)).astype(np.float32))
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5)
+    new = KVShard(num_layers=1)
+    new.begin_append(np.array([6]))
+    new.append(0, k[:, :, 6:], v[:, :, 6:])
+    new.commit()
+    held = {0: [(k[:, :, :3], v[:, :, :3], np.arange(3)), (k[:, :, 3:6], v[:, :, 3:6], np.arange(3, 6))]}
+    ring_pass = RingPass("r", "gather", Ring(0, 1, {}, Mailbox(lambda f, n: None)), new, 6, np.array([6]),
+                         np.ones(1, bool), True, threading.Event(), windows=[None], held=held)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    out = ring_pass.attend(0, q, v[:, :, 6:], 0.5, None, None)
+    assert mx.abs(out - expected).max().item() < 1e-5
 
 
 def test_append_grows_past_the_step_and_keeps_order():

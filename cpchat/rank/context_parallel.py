@@ -23,7 +23,13 @@ import mlx.core as mx
 import numpy as np
 
 from cpchat.core.algorithms import BY_NAME
-from cpchat.core.attention import add_sink, fused_attention, partial_attention
+from cpchat.core.attention import (
+    add_sink,
+    attention_over_blocks,
+    fused_attention,
+    merge_partials,
+    partial_attention,
+)
 from cpchat.core.quantized_kv import KV, KVFormat, Packed, arrays_of, full_precision
 from cpchat.core.sharding import Shares
 from cpchat.rank.algorithms import attend_function
@@ -124,7 +130,7 @@ class RingPass:
         k, v, k_pos = self.kv.layer(layer)
         if self.ring.size > 1:  # blocks must be concrete before they travel
             mx.eval(q, *(arrays_of(x) for x in (k, v) if x is not None))
-        if self.ring.size == 1 and k is not None and mx.default_device() != mx.cpu:
+        if self.ring.size == 1 and not self.held and k is not None and mx.default_device() != mx.cpu:
             out = fused_attention(q, full_precision(k), full_precision(v), self.q_positions, k_pos, scale,
                                   call.window, sinks)
         else:
@@ -139,22 +145,30 @@ class RingPass:
     # ---- what the algorithms use
 
     def partial(self, call: LayerCall, timing: StepTiming, q: mx.array, q_pos: np.ndarray,
-                k: KV | None, v: KV | None, k_pos: np.ndarray, keys: int = 0) -> Partial:
+                k: KV | None, v: KV | None, k_pos: np.ndarray) -> Partial:
         """Attention of `q` over one block of keys (cpchat.core.attention), its time in `timing`.
-        Quantized keys and values are dequantized first (the block's, then dropped). `keys`: how many
-        the query attends in all, in this block and others (a gather step's), if more."""
+        Quantized keys and values are dequantized first (the block's, then dropped)."""
+        if self.ring.size == 1:  # nothing to overlap or report
+            return self.attend_blocks(call, q, q_pos, [(k, v, k_pos)])
         if k is None or len(k_pos) == 0:
             return empty_partial(q, call.value_dim)
-        k, v = full_precision(k), full_precision(v)
-        if self.ring.size == 1:  # nothing to overlap or report
-            lazy = self.decoding and q.shape[1] * max(keys, len(k_pos)) <= LAZY_DECODE_SCORES
-            return partial_attention(q, k, v, q_pos, k_pos, call.scale, window=call.window,
-                                     xp=mx if lazy else None)
         t0 = time.perf_counter()
-        out, lse = partial_attention(q, k, v, q_pos, k_pos, call.scale, window=call.window)
+        out, lse = partial_attention(q, full_precision(k), full_precision(v), q_pos, k_pos, call.scale,
+                                     window=call.window)
         mx.eval(out, lse)
         timing.compute_ms += 1000 * (time.perf_counter() - t0)
         return out, lse
+
+    def attend_blocks(self, call: LayerCall, q: mx.array, q_pos: np.ndarray, blocks: list[Block]) -> Partial:
+        """A rank alone's attention of `q` over blocks of keys (its shard's, and in a gather step the
+        other ranks'): a decode step's stays one lazy graph while its scores are few, as mlx-lm's does."""
+        blocks = [(full_precision(k), full_precision(v), p) for k, v, p in blocks if k is not None and len(p)]
+        if not blocks:
+            return empty_partial(q, call.value_dim)
+        if self.decoding and q.shape[1] * sum(len(p) for *_, p in blocks) <= LAZY_DECODE_SCORES:
+            return attention_over_blocks(q, blocks, q_pos, call.scale, call.window)
+        return merge_partials([partial_attention(q, k, v, q_pos, p, call.scale, window=call.window)
+                               for k, v, p in blocks])
 
     def key(self, layer: int, step: int, kind: int) -> BlockKey:
         """The key of a block of this pass (`kind` a pb.FrameKind)."""

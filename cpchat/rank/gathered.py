@@ -3,11 +3,11 @@
 Where the ranks share one machine's cores and memory, the cheapest decode step exchanges nothing per
 layer: while the answer's first token is sampled every other rank sends its shard to rank 0
 (`send_shard`), which keeps the blocks as they arrive (`gather_shards`) and runs each step as one
-rank does, attending over its own shard, those blocks and the answer's new tokens and merging the
-partials. Nothing is copied into one store: at 16K tokens that copy took a quarter of a second an
-answer (fresh memory's pages). Each step's new keys and values go to the rank that keeps them
-(`pack_new`, `unpack_new`); rank 0 keeps its own share in `Gathered.new` until the answer ends
-(`hand_back`), so that the shard the steps read does not change under them.
+rank does, attending over its own shard, those blocks and the answer's new tokens together
+(`RingPass.attend_blocks`). Nothing is copied into one store: at 16K tokens that copy took a
+quarter of a second an answer (fresh memory's pages). Each step's new keys and values go to the
+rank that keeps them (`pack_new`, `unpack_new`); rank 0 keeps its own share in `Gathered.new`
+until the answer ends (`hand_back`), so that the shard the steps read does not change under them.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import numpy as np
 
 from cpchat.core.attention import merge_partials
 from cpchat.protocol import cpchat_pb2 as pb
-from cpchat.rank.context_parallel import LayerCall, Partial, RingPass, StepTiming
+from cpchat.rank.context_parallel import LayerCall, Partial, RingPass
 
 
 def exchange(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.array | None,
@@ -88,10 +88,8 @@ def follow(rp: RingPass, calls: list[LayerCall]) -> None:
 def gather(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.array | None,
            k_pos: np.ndarray) -> Partial:
     """Rank 0's attention in a gather step (a ring of one): over its own shard and the other ranks'
-    (`rp.held`) and the answer's new tokens (`k`, `v`), merged."""
-    timing, blocks = StepTiming(call.layer, 0), [*rp.held.get(call.layer, []), (k, v, k_pos)]
-    keys = sum(len(block[2]) for block in blocks)  # lazy or numpy, as one rank with them all would be
-    return merge_partials([rp.partial(call, timing, q, rp.q_positions, *b, keys=keys) for b in blocks])
+    (`rp.held`) and the answer's new tokens (`k`, `v`), as one rank holding them all attends."""
+    return rp.attend_blocks(call, q, rp.q_positions, [*rp.held.get(call.layer, []), (k, v, k_pos)])
 
 
 def _packed(partial: Partial) -> mx.array:
