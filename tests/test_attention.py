@@ -159,38 +159,10 @@ def test_merge_rejects_mismatched_parts():
         merge_partials([])
 
 
-@BACKENDS
-@settings(max_examples=40, deadline=None)
-@given(problem=problems(), window=st.integers(1, 40), value_dim=st.sampled_from([None, 24]))
-def test_sliding_window_and_value_size_in_blocks(problem, window, value_dim, xp):
-    """Keys with 0 <= q_pos - k_pos < window, cut into blocks and merged, equal one float64 pass;
-    values may have their own head size (MLA)."""
-    kv_heads, groups, lq, lk, d, cuts, _, seed, tile = problem
-    q, k, v = random_qkv(kv_heads, groups, lq, lk, d, seed, mx.float32)
-    if value_dim:
-        v = mx.random.normal((1, kv_heads, lk, value_dim), key=mx.random.key(seed + 7))
-    lq_pos, k_pos = np.arange(lk - lq, lk), np.arange(lk)
-    order = np.random.default_rng(seed).permutation(lk)
-    parts = [partial_attention(q, k[:, :, mx.array(b)], v[:, :, mx.array(b)], lq_pos, b, 0.3, window=window,
-                               tile=tile, xp=xp) for b in np.split(order, cuts)]
-    out, lse = merge_partials(parts)
-    qn, kn, vn = (np.repeat(np.array(a, np.float64), g, axis=1) for a, g in ((q, 1), (k, groups), (v, groups))
-                  )
-    delta = lq_pos[:, None] - k_pos[None, :]
-    s = np.where((delta >= 0) & (delta < window), 0.3 * qn @ kn.swapaxes(-1, -2), -np.inf)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    expected = (p / p.sum(axis=-1, keepdims=True)) @ vn
-    assert out.shape == expected.shape
-    assert np.abs(np.array(out) - expected).max() <= 5e-5
-    assert np.allclose(np.array(lse), np.log(np.exp(s).sum(axis=-1)), atol=1e-4)
-
-
-@settings(max_examples=60, deadline=None)
-@given(problem=problems(), window=st.one_of(st.none(), st.integers(1, 40)),
-       value_dim=st.sampled_from([None, 24]))
-def test_attention_over_blocks_is_one_softmax_over_every_block(problem, window, value_dim):
-    """A decode step's attention over a rank's blocks of keys (positions in any order, some blocks
-    wholly out of the window) equals one float64 pass over all the keys, out and lse."""
+def blocks_in_a_window(problem, window, value_dim):
+    """Queries, their positions, key blocks (positions in any order) and the float64 truth (out,
+    lse) of attention over keys with 0 <= q_pos - k_pos < window (no bound if None); values may have
+    their own head size (MLA)."""
     kv_heads, groups, lq, lk, d, cuts, _, seed, _ = problem
     q, k, v = random_qkv(kv_heads, groups, lq, lk, d, seed, mx.float32)
     if value_dim:
@@ -198,15 +170,40 @@ def test_attention_over_blocks_is_one_softmax_over_every_block(problem, window, 
     q_pos, k_pos = np.arange(lk - lq, lk), np.arange(lk)
     order = np.random.default_rng(seed).permutation(lk)
     blocks = [(k[:, :, mx.array(b)], v[:, :, mx.array(b)], b) for b in np.split(order, cuts)]
-    out, lse = attention_over_blocks(q, blocks, q_pos, 0.3, window)
     qn, kn, vn = (np.repeat(np.array(a, np.float64), g, axis=1) for a, g in ((q, 1), (k, groups), (v, groups))
                   )
     delta = q_pos[:, None] - k_pos[None, :]
     s = np.where((delta >= 0) & (delta < (window or lk + 1)), 0.3 * qn @ kn.swapaxes(-1, -2), -np.inf)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
-    assert out.shape == (1, kv_heads * groups, lq, value_dim or d)
-    assert np.abs(np.array(out) - (p / p.sum(axis=-1, keepdims=True)) @ vn).max() <= 5e-5
-    assert np.allclose(np.array(lse), np.log(np.exp(s).sum(axis=-1)), atol=1e-4)
+    return q, q_pos, blocks, ((p / p.sum(axis=-1, keepdims=True)) @ vn, np.log(np.exp(s).sum(axis=-1)))
+
+
+def assert_matches(got, expected):
+    out, lse = got
+    assert out.shape == expected[0].shape
+    assert np.abs(np.array(out) - expected[0]).max() <= 5e-5
+    assert np.allclose(np.array(lse), expected[1], atol=1e-4)
+
+
+@BACKENDS
+@settings(max_examples=40, deadline=None)
+@given(problem=problems(), window=st.integers(1, 40), value_dim=st.sampled_from([None, 24]))
+def test_sliding_window_and_value_size_in_blocks(problem, window, value_dim, xp):
+    """Keys in the window, cut into blocks and merged, equal one float64 pass."""
+    q, q_pos, blocks, expected = blocks_in_a_window(problem, window, value_dim)
+    parts = [partial_attention(q, k, v, q_pos, k_pos, 0.3, window=window, tile=problem[-1], xp=xp)
+             for k, v, k_pos in blocks]
+    assert_matches(merge_partials(parts), expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(problem=problems(), window=st.one_of(st.none(), st.integers(1, 40)),
+       value_dim=st.sampled_from([None, 24]))
+def test_attention_over_blocks_is_one_softmax_over_every_block(problem, window, value_dim):
+    """A decode step's attention over a rank's blocks of keys (some wholly out of the window) equals
+    one float64 pass over all the keys, out and lse."""
+    q, q_pos, blocks, expected = blocks_in_a_window(problem, window, value_dim)
+    assert_matches(attention_over_blocks(q, blocks, q_pos, 0.3, window), expected)
 
 
 def test_attention_over_blocks_refuses_a_query_that_sees_no_key():
