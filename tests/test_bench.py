@@ -106,6 +106,8 @@ def test_bench_compares_algorithms(tmp_path):
     }
     for row in data["decode"]:
         assert row["context"] == 64 and row["best_ms_per_token"] > 0
+        assert len(row["wait_ms"]) == (row["ranks"] > 1)  # a step's wait for the other rank, per layer
+        assert all(0.0 <= o <= w for o, w in zip(row["overhead_ms"], row["wait_ms"], strict=True))
     assert [(lat["variant"]["model"], lat["ranks"]) for lat in data["latency"]] == [(m, 2) for m in models]
     for lat in data["latency"]:
         links = lat["link_us"]
@@ -117,7 +119,7 @@ def test_bench_compares_algorithms(tmp_path):
         assert f"| {model} | {heads} | 2 | 64 | " in table  # a prefill row
         assert f"| {model} | {heads} | 1 | 64 | " in table  # a decode row for one rank
     for heading in ("pass-KV", "pass-Q", "all-gather", "Ulysses", "auto gap", "exchange ms/token",
-                    "ring ms/token", "from \\ to"):
+                    "ring ms/token", "ring wait ms/layer (overhead)", "from \\ to"):
         assert heading in table
 
 

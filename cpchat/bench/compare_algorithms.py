@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from cpchat.bench.baseline import prompt_ids
 from cpchat.bench.charts import write_ratio_chart
+from cpchat.bench.compare_mlx_lm import exchange_wait_ms
 from cpchat.bench.models import in_form, random_model, source_model
 from cpchat.checkpoints import CheckpointError
 from cpchat.client.cluster import Cluster
@@ -123,6 +124,8 @@ class DecodeRow:
     ms_per_token: list[float] = field(default_factory=list)  # each repeat's, from Done's rate
     generated_tokens: list[int] = field(default_factory=list)
     estimate_ms: float = 0.0  # the cost model's communication time per token
+    wait_ms: list[float] = field(default_factory=list)  # each repeat's last step's wait a layer (N > 1)
+    overhead_ms: list[float] = field(default_factory=list)  # of it, the exchange's own (exchange_wait_ms)
 
     @property
     def best(self) -> float | None:
@@ -302,6 +305,10 @@ def decode_row(cluster: Cluster, tokenizer, variant: Variant, context: int, exch
         row.generated_tokens.append(done.generated_tokens)
         if done.decode_tokens_per_s > 0:  # 0: fewer than two tokens came (an early stop token)
             row.ms_per_token.append(1000 / done.decode_tokens_per_s)
+        if cluster.size > 1 and done.generated_tokens > 1:  # the ranks' last pass is a decode step's
+            wait, overhead = exchange_wait_ms(cluster.stats_once(), cluster.model)
+            row.wait_ms.append(wait)
+            row.overhead_ms.append(overhead)
     return row
 
 
@@ -378,8 +385,8 @@ def estimate_table(cells: list[PrefillCell]) -> list[str]:
 
 def decode_table(rows: list[DecodeRow]) -> list[str]:
     exchanges = [e for e in DECODE_EXCHANGES if any(r.exchange == e for r in rows)]
-    lines = _head([f"{e} ms/token" for e in exchanges] + [f"{e} estimate" for e in exchanges],
-                  "---:|" * (2 * len(exchanges)))
+    lines = _head([f"{e} ms/token" for e in exchanges] + [f"{e} estimate" for e in exchanges]
+                  + [f"{e} wait ms/layer (overhead)" for e in exchanges], "---:|" * (3 * len(exchanges)))
     groups: dict[tuple[str, int], dict[str, DecodeRow]] = {}
     for r in rows:
         groups.setdefault((r.variant.model, r.ranks), {})[r.exchange] = r
@@ -389,9 +396,18 @@ def decode_table(rows: list[DecodeRow]) -> list[str]:
         lines.append(
             _key(first.variant, first.ranks, first.context)
             + " | ".join(f"{r.best:.1f}" if r and r.best is not None else "" for r in measured) + " | "
-            + " | ".join(f"{r.estimate_ms:.2f}" if r else "" for r in measured) + " |"
+            + " | ".join(f"{r.estimate_ms:.2f}" if r else "" for r in measured) + " | "
+            + " | ".join(_wait(r) for r in measured) + " |"
         )
     return lines
+
+
+def _wait(row: DecodeRow | None) -> str:
+    """The median repeat's wait a layer and the exchange's own share of it, as the main table shows them."""
+    if row is None or not row.wait_ms:
+        return ""
+    middle = sorted(range(len(row.wait_ms)), key=row.wait_ms.__getitem__)[len(row.wait_ms) // 2]
+    return f"{row.wait_ms[middle]:.2f} ({row.overhead_ms[middle]:.2f})"
 
 
 def latency_table(latencies: list[Latency]) -> list[str]:
