@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 
 from cpchat.core.quantized_kv import KVFormat, Packed
-from cpchat.rank.context_parallel import RingPass
+from cpchat.rank.context_parallel import RingPass, StepMeans, StepTiming
 from cpchat.rank.gathered import Gathered, pack_new, unpack_new
 from cpchat.rank.kvstore import GROW, KVShard
 from cpchat.rank.transport.ring import Mailbox, Ring
@@ -154,3 +154,13 @@ def test_rank_0_reads_every_ranks_kv_in_place_and_keeps_its_share_of_the_answer_
     quantized = KVShard(num_layers=1, kv_format=fmt)
     quantized.quantize()
     assert Gathered(quantized, {}).quantized
+
+
+def test_a_decode_answers_ring_steps_are_each_steps_mean_over_its_tokens():
+    """Stats reports a decode answer's (layer, step) timings averaged over its tokens, not the last
+    token's alone (sub-millisecond waits, mostly noise one token at a time)."""
+    means = StepMeans()
+    means.add([StepTiming(0, 0, compute_ms=1.0, bytes_sent=100), StepTiming(0, 1, wait_ms=0.5)])
+    got = means.add([StepTiming(0, 0, compute_ms=3.0, bytes_sent=300), StepTiming(0, 1, wait_ms=0.1)])
+    assert [(t.layer, t.step, t.compute_ms, t.wait_ms, t.bytes_sent) for t in got] == [
+        (0, 0, 2.0, 0.0, 200), (0, 1, 0.0, 0.3, 0)]

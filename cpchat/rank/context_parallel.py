@@ -57,6 +57,27 @@ class StepTiming:
     bytes_sent: int = 0
 
 
+@dataclass
+class StepMeans:
+    """A decode answer's ring steps so far, each (layer, step)'s mean over its tokens: one token's
+    sub-millisecond waits are mostly this machine's noise."""
+
+    sums: dict[tuple[int, int], StepTiming] = field(default_factory=dict)
+    tokens: int = 0
+
+    def add(self, timings: list[StepTiming]) -> list[StepTiming]:
+        """Count one more token's steps; the means now."""
+        self.tokens += 1
+        for t in timings:
+            total = self.sums.setdefault((t.layer, t.step), StepTiming(t.layer, t.step))
+            total.compute_ms += t.compute_ms
+            total.wait_ms += t.wait_ms
+            total.bytes_sent += t.bytes_sent
+        n = self.tokens
+        return [StepTiming(t.layer, t.step, t.compute_ms / n, t.wait_ms / n, t.bytes_sent // n)
+                for t in self.sums.values()]
+
+
 @dataclass(frozen=True)
 class LayerCall:
     """One layer's attention call, as the ring algorithms need it."""

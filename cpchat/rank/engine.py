@@ -34,7 +34,7 @@ from cpchat.core.sharding import Shares, decode_owner, head_tail_layout, owner_o
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import context_parallel, fit, gathered, latent_attention, linear_layers
 from cpchat.rank.algorithms import DECODE, PREFILL, decode
-from cpchat.rank.context_parallel import LayerCall, RingPass, ShardCache, StepTiming
+from cpchat.rank.context_parallel import LayerCall, RingPass, ShardCache, StepMeans, StepTiming
 from cpchat.rank.cpu_products import COPY_SHARE, MIN_ROWS, keep_float32_weights, use_float32_products
 from cpchat.rank.fit import LayerAttention, LayerRecurrence, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
@@ -335,6 +335,7 @@ class Engine:
         self.total_tokens = 0  # tokens the whole ring holds
         self.last_timings: list[StepTiming] = []
         self.last_algorithm = ""
+        self._answer_steps = ("", StepMeans())  # the request whose decode steps last_timings averages
         self.layer_calls: dict[int, LayerCall] = {}
         self.gathered: gathered.Gathered | None = None  # rank 0's view of every rank's K/V in a gather decode
         self.handing: deque[tuple[int, int, gathered.NewKV]] = deque()  # its steps' new K/V, to hand on
@@ -618,7 +619,14 @@ class Engine:
         return contextlib.nullcontext()
 
     def _record(self, ring_pass: RingPass) -> None:
-        self.last_timings = ring_pass.timings
+        """What Stats reports of the last ring pass: a prefill's steps, or a decode answer's means."""
+        if ring_pass.decoding and ring_pass.timings:
+            if self._answer_steps[0] != ring_pass.request_id:
+                self._answer_steps = (ring_pass.request_id, StepMeans())
+            self.last_timings = self._answer_steps[1].add(ring_pass.timings)
+        else:
+            self._answer_steps = ("", StepMeans())
+            self.last_timings = ring_pass.timings
         if ring_pass.layer_calls:
             self.layer_calls = ring_pass.layer_calls  # how each attention layer attends, for a lead step
         algorithm = BY_NAME[ring_pass.algorithm]  # RankStats.algorithm names a decode pass "decode_NAME"
