@@ -14,7 +14,7 @@ import pytest
 
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.transport import shm
-from cpchat.rank.transport.ring import Mailbox
+from cpchat.rank.transport.ring import Mailbox, RingBroken
 from cpchat.rank.transport.shm import SharedMemoryLink, SharedMemoryListener
 from cpchat.rank.transport.wire import CHUNK_BYTES, BlockKey, HostTensor, to_host, to_mlx
 
@@ -25,10 +25,10 @@ class Receiver:
     """A listener whose chunks go to a mailbox, and the links it saw end."""
 
     def __init__(self, token: str | None = TOKEN) -> None:
-        self.mailbox = Mailbox(lambda frame, size: None)
         self.closed: list[tuple[str, int]] = []
         self.ended = threading.Event()
-        self.listener = SharedMemoryListener(token, self.mailbox.put, self._closed)
+        self.listener = SharedMemoryListener(token, lambda *chunk: self.mailbox.put(*chunk), self._closed)
+        self.mailbox = Mailbox(lambda frame, size: None, self.listener)
 
     def _closed(self, ring_id: str, source: int) -> None:
         self.closed.append((ring_id, source))
@@ -77,6 +77,31 @@ def test_blocks_of_every_size_arrive_bit_exact(receiver):
     assert link.error is None and receiver.closed == []  # a goodbye is not a failure
 
 
+def test_a_small_block_is_read_by_the_thread_that_waits_for_it():
+    """A decode step's block wakes the thread that takes it and no other (the direct socket); a
+    large block's chunks come through the listener's thread, which wakes the taker."""
+    readers: dict[int, int] = {}
+
+    def deliver(frame, data, array=None):
+        readers[frame.step] = threading.get_ident()
+        mailbox.put(frame, data, array)
+
+    listener = SharedMemoryListener(TOKEN, deliver, lambda ring_id, source: None)
+    mailbox = Mailbox(lambda frame, size: None, listener)
+    link = SharedMemoryLink(listener.endpoint, "ring", 1, "peer", TOKEN)
+    query_and_new_kv = [mx.arange(9 * 64, dtype=mx.float32), mx.ones((3, 64), mx.bfloat16), mx.zeros((3, 64))]
+    large = [mx.ones((1 << 20,))]
+    link.put(key(0), [to_host(a) for a in query_and_new_kv])  # one message
+    link.put(key(1), [to_host(a) for a in large])
+    abort = threading.Event()
+    for step, block in enumerate([query_and_new_kv, large]):
+        got = mailbox.take(key(step), 1, abort)
+        assert all(mx.array_equal(to_mlx(g), a).item() for g, a in zip(got, block, strict=True))
+    assert readers[0] == threading.get_ident() != readers[1]
+    link.close()
+    listener.close()
+
+
 def test_every_tensor_lands_in_mlx_memory(receiver):
     """The receiving thread copies a one-chunk tensor straight into MLX memory, and gathers a larger
     one's chunks there, so the engine's thread takes both without another copy."""
@@ -109,17 +134,17 @@ def test_small_blocks_to_a_receiver_that_stopped_reading_never_block_the_sender(
     blocks, which go out from its own thread, are handed to the link's thread instead of waiting;
     when the receiver reads again every block arrives, in full."""
     paused = threading.Event()
-    mailbox = Mailbox(lambda frame, size: None)
 
     def deliver(frame, data, array=None):
         paused.wait()
         mailbox.put(frame, data, array)
 
     listener = SharedMemoryListener(TOKEN, deliver, lambda ring_id, source: None)
+    mailbox = Mailbox(lambda frame, size: None, listener)
     link = SharedMemoryLink(listener.endpoint, "ring", 1, "peer", TOKEN)
     blocks = [mx.full((3000,), float(step)) for step in range(200)]  # 12 KB each: inline, 2.4 MB in all
     host = [to_host(b) for b in blocks]
-    assert sum(h.data.nbytes for h in host) > 4 * link._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    assert sum(h.data.nbytes for h in host) > 4 * link._direct.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
     sent = threading.Thread(target=lambda: [link.put(key(s), [h]) for s, h in enumerate(host)])
     sent.start()
     sent.join(timeout=30)
@@ -194,6 +219,27 @@ def test_a_sender_that_dies_is_reported_and_one_that_closes_is_not(receiver):
     assert receiver.closed == [("ring", 2)]
 
 
+def test_a_sender_of_small_blocks_that_dies_is_reported_to_the_rank_that_waits():
+    """A link that only ever sent small blocks (its frames all on the direct socket, which only a
+    waiting thread reads) is reported when its sender dies, to the thread that waits on it."""
+    listener = SharedMemoryListener(TOKEN, lambda *chunk: mailbox.put(*chunk),
+                                    lambda ring_id, source: mailbox.fail(f"link from rank {source} closed"))
+    mailbox = Mailbox(lambda frame, size: None, listener)
+    die = "import sys; sys.stdin.readline(); os.kill(os.getpid(), 9)"
+    code = SEND_AND_DIE.replace("mx.ones((1 << 20,))", "mx.ones((8,))").format(
+        endpoint=listener.endpoint, token=TOKEN, end=die)
+    child = subprocess.Popen([sys.executable, "-c", code.replace("link.close()", "pass")],
+                             stdin=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    abort = threading.Event()
+    (got,) = mailbox.take(key(0), 2, abort)
+    assert to_mlx(got).tolist() == [1.0] * 8
+    child.communicate("die\n", timeout=60)
+    assert child.returncode == -9
+    with pytest.raises(RingBroken, match="link from rank 2 closed"):
+        mailbox.take(key(1), 2, abort)
+    listener.close()
+
+
 def test_another_user_is_refused(receiver):
     if os.getuid() != 0:
         pytest.skip("needs root to become another user")  # CI runs as root
@@ -232,6 +278,22 @@ def test_a_malformed_message_cuts_that_link_only_and_says_why(receiver, capfd):
     link = SharedMemoryLink(endpoint, "ring", 1, "peer", TOKEN)  # the listener still serves
     link.put(key(0), [to_host(mx.arange(3, dtype=mx.float32))])
     assert receiver.take(key(0))[0].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_malformed_direct_message_cuts_that_socket_and_says_why(receiver, capfd):
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    raw.connect("\0" + receiver.listener.endpoint)
+    socket.send_fds(raw, [shm.HELLO_DIRECT + TOKEN.encode()], [])
+    assert raw.recv(8) == shm.ACCEPTED
+    header = pb.Frame(ring_id="ring", request_id="req", source_rank=1, tensor_count=1, chunk_count=1,
+                      dtype="float32", shape=[4]).SerializeToString()
+    raw.sendmsg([shm.CHUNK.pack(0, 16, len(header)), header])  # a direct socket has no buffer
+    receiver.listener.wait(timeout=10)
+    assert raw.recv(8) == b""  # cut
+    said = capfd.readouterr().err
+    assert "cut a shared-memory link: bad frame: a direct message's chunk does not fit it" in said
+    raw.close()
+    assert receiver.closed == []
 
 
 def test_nothing_is_left_in_dev_shm(receiver):

@@ -217,7 +217,7 @@ class RankState:
                 peer: self._link(peer, address, shm_endpoints[peer] if shm_endpoints else "", plane)
                 for peer, address in enumerate(addresses) if peer != rank
             }
-            self.ring = Ring(rank, len(addresses), links, Mailbox(self.validate_frame))
+            self.ring = Ring(rank, len(addresses), links, Mailbox(self.validate_frame, self.shm))
             self.calibrations = 0  # probe ids must agree across the ring, a replacement rank included
             if self.engine.kv is not None:
                 self.on_mlx(self.engine.reset, 0)

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 import grpc
 import mlx.core as mx
@@ -103,11 +104,23 @@ class RingLink(Link):
             self._channel.close()  # a closed or re-formed ring leaves no channel behind
 
 
-class Mailbox:
-    """Blocks from the other ranks, keyed by (request, layer, step, kind) and sender."""
+class Inbox(Protocol):
+    """Messages that only a thread waiting for a block reads (shm.SharedMemoryListener's)."""
 
-    def __init__(self, validate: Callable[[pb.Frame, int], None]) -> None:
+    def wait(self, timeout: float) -> None:
+        """Deliver what comes within `timeout`, returning early once something has, or on `wake`."""
+
+    def wake(self) -> None: ...
+
+
+class Mailbox:
+    """Blocks from the other ranks, keyed by (request, layer, step, kind) and sender. Blocks come from
+    the links' receiving threads, and from `inbox`, which `take` reads while it waits."""
+
+    def __init__(self, validate: Callable[[pb.Frame, int], None], inbox: Inbox | None = None) -> None:
         self._validate = validate
+        self._inbox = inbox
+        self._readers: set[int] = set()  # threads reading the inbox in `take`
         self._cond = threading.Condition()
         self._partial: dict[tuple[BlockKey, int], BlockAssembler] = {}
         self._done: dict[tuple[BlockKey, int], list[HostTensor]] = {}
@@ -132,6 +145,8 @@ class Mailbox:
                 del self._partial[key]
                 self._done[key] = tensors
                 self._cond.notify_all()
+                if self._readers - {threading.get_ident()}:
+                    self._inbox.wake()
 
     def take(self, key: BlockKey, source: int, abort: threading.Event,
              links: Iterable[Link] = ()) -> list[HostTensor]:
@@ -145,13 +160,25 @@ class Mailbox:
                 for link in links:
                     if link.error:
                         raise RingBroken(link.error)
-                self._cond.wait(0.05)
+                if self._inbox is None:
+                    self._cond.wait(0.05)
+                    continue
+                reader = threading.get_ident()
+                self._readers.add(reader)
+                self._cond.release()
+                try:
+                    self._inbox.wait(0.05)
+                finally:
+                    self._cond.acquire()
+                    self._readers.discard(reader)
             return self._done.pop((key, source))
 
     def fail(self, message: str) -> None:
         with self._cond:
             self.error = message
             self._cond.notify_all()
+            if self._readers:
+                self._inbox.wake()
 
     def forget(self, request_id: str) -> None:
         """Drop every block of a finished or aborted request, now and later."""
