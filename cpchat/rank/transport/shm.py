@@ -61,6 +61,12 @@ def _address(endpoint: str) -> str:
     return "\0" + endpoint
 
 
+def _inline(header: bytes, data: memoryview) -> list[bytes | memoryview]:
+    """A chunk that carries its data with it: what a message (or a direct message, several of them
+    one after the other) holds."""
+    return [CHUNK.pack(INLINE, len(data), len(header)), header, data]
+
+
 def _connect(endpoint: str, hello: bytes, fds: list[int], peer: str) -> socket.socket:
     """A socket to the listener at `endpoint` that accepted `hello` (and the descriptors `fds`)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -116,7 +122,7 @@ class SharedMemoryLink(Link):
             super().put(key, tensors)
             return
         message = [part for header, data in block_chunks(self.ring_id, key, self.rank, tensors)
-                   for part in (CHUNK.pack(INLINE, len(data), len(header)), header, data)]
+                   for part in _inline(header, data)]
         try:
             self._direct.sendmsg(message, [], socket.MSG_DONTWAIT)  # a whole message or none
         except BlockingIOError:
@@ -146,7 +152,7 @@ class SharedMemoryLink(Link):
 
     def _send_chunk(self, header: bytes, data: memoryview) -> None:
         if len(data) <= INLINE_BYTES:
-            self._sock.sendmsg([CHUNK.pack(INLINE, len(data), len(header)), header, data])
+            self._sock.sendmsg(_inline(header, data))
             return
         start = self._place(len(data))
         # numpy copies without the GIL, so the engine and the receiving thread run meanwhile.
