@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from cpchat import blas
+from cpchat.bench.cli import main as bench_main
 from cpchat.client.launcher import rank_environment
 
 
@@ -160,3 +163,11 @@ def test_bench_prefix_cache(tmp_path):
         assert chart.stat().st_size > 0
     else:
         assert not chart.exists() and "matplotlib is not installed" in result.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--transport", "''"), ("--contexts", "1k"), ("--ranks", "0,2")])
+def test_a_mistyped_list_is_refused_before_anything_runs(flag, value, capsys, tmp_path):
+    assert bench_main([flag, value, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"cpchat bench: {flag} {value}: expected a comma list of whole numbers"]
+    assert not list(tmp_path.iterdir())  # nothing measured, nothing written

@@ -117,16 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in (PREFIX_CACHE_DEFAULTS if args.prefix_cache else DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.attention:
-        return attention_only([int(n) for n in args.attention.split(",")])
-    try:
-        blas_modes = blas_choices(args.blas)
-    except blas.BlasUnavailable as e:
-        print(f"cpchat bench: {e}", file=sys.stderr)
-        return 2
     if args.quick:
         args.hidden, args.layers, args.contexts, args.ranks = 256, 4, "512,1024", "1,2"
         args.repeats, args.decode, args.transport = 1, 8, "1,16"
+    try:  # before anything runs: a typo found after an hour's runs would lose them
+        for flag in ("contexts", "ranks", "transport", "attention"):
+            setattr(args, flag, counts(f"--{flag}", getattr(args, flag) or ""))
+        blas_modes = blas_choices(args.blas)
+    except (ValueError, blas.BlasUnavailable) as e:
+        print(f"cpchat bench: {e}", file=sys.stderr)
+        return 2
+    if args.attention:
+        return attention_only(args.attention)
     if args.algorithms or args.prefix_cache or args.shares:
         if len(blas_modes) > 1:
             print("cpchat bench: --algorithms, --shares and --prefix-cache run one BLAS; compare BLAS "
@@ -146,6 +148,17 @@ def command_line(argv: list[str] | None) -> str:
     if argv is None:
         argv = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
     return ("cpchat bench " + shlex.join(argv)).strip()
+
+
+def counts(flag: str, text: str) -> list[int]:
+    """A comma list of whole numbers, at least 1 each ('' is none)."""
+    try:
+        numbers = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        numbers = [0]
+    if any(n < 1 for n in numbers):
+        raise ValueError(f"{flag} {text}: expected a comma list of whole numbers")
+    return numbers
 
 
 def blas_choices(text: str) -> list[str]:

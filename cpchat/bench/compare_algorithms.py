@@ -182,8 +182,7 @@ def run_comparison(args, command: str) -> int:
     except BenchUsageError as e:
         print(f"cpchat bench: {e}", file=sys.stderr)
         return 2
-    contexts = [int(c) for c in args.contexts.split(",") if c]
-    ranks = [int(n) for n in args.ranks.split(",") if n]
+    contexts, ranks = args.contexts, args.ranks
     result = Comparison(command, args.repeats, args.decode)
     started = time.time()
     for model in models:

@@ -79,8 +79,7 @@ def run_comparison(args, blas_modes: list[str]) -> int:
         print(f"cpchat bench: {e}", file=sys.stderr)
         return 2
     model = str(in_form(source, args.form))
-    contexts = [int(c) for c in args.contexts.split(",") if c]
-    ranks = [int(n) for n in args.ranks.split(",") if n]
+    contexts, ranks = args.contexts, args.ranks
     planes = [t.strip() for t in args.data_planes.split(",") if t.strip()]
     if not planes or any(t not in TRANSPORTS for t in planes):
         print(f"cpchat bench: --data-planes: expected a comma list of {', '.join(TRANSPORTS)}",
@@ -104,7 +103,7 @@ def run_comparison(args, blas_modes: list[str]) -> int:
                     report_progress(rows[-1])
             clusters = [(n, plane) for n in ranks for plane in (planes if n > 1 else planes[:1])]
             rows.extend(run_cpchat(model, clusters, contexts, args, blas_choice, kv))
-    sizes = [int(s) * MB for s in args.transport.split(",") if s]
+    sizes = [s * MB for s in args.transport]
     transport = run_transport(sizes, args.repeats) if sizes else []
     out = Path(args.out)
     write_report(out, rows, transport, args, model, time.time() - started)

@@ -109,8 +109,7 @@ def run_prefix_cache(args, command: str) -> int:
         print(f"cpchat bench: {e}", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(str(model))
-    contexts = [int(c) for c in args.contexts.split(",") if c]
-    ranks = [int(n) for n in args.ranks.split(",") if n]
+    contexts, ranks = args.contexts, args.ranks
     started = time.time()
     cells = []
     try:

@@ -96,18 +96,17 @@ def run_shares(args, command: str) -> int:
         return 2
     rows: list[Row] = []
     started = time.time()
-    for n in [int(r) for r in args.ranks.split(",") if int(r) > slow]:
+    for n in [r for r in args.ranks if r > slow]:
         cluster = Cluster.launch(n, blas_choice=args.blas_choice, threads=args.threads)
         try:
             cluster.connect()
             cluster.load(str(model))
             tokenizer = load_tokenizer(str(model))
-            contexts = [int(c) for c in args.contexts.split(",") if c]
-            best = {c: best_run(cluster, tokenizer, c, "equal", args.repeats)[0] for c in contexts}
+            best = {c: best_run(cluster, tokenizer, c, "equal", args.repeats)[0] for c in args.contexts}
             try:
                 with cpu_quota(cluster.ranks[slow].local.process.pid, fraction):
                     cluster.load(str(model))
-                    for context in contexts:
+                    for context in args.contexts:
                         row = Row(n, context, args.slow, best[context],
                                   speeds=[round(s) for s in cluster.speeds()])
                         for mode in modes:
