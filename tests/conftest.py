@@ -21,6 +21,14 @@ settings.register_profile("cpchat", derandomize=True)
 settings.load_profile("cpchat")
 
 
+def pytest_report_header(config) -> str:
+    import references
+
+    store = references.STORE
+    held = len(list(store.root.glob("*.json"))) if store.root.is_dir() else 0
+    return f"mlx-lm references: {store.root} ({held} stored{'; computing all afresh' if store.fresh else ''})"
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """model_dir(arch) -> path of a small float32 model of that architecture (built once)."""

@@ -4,7 +4,8 @@ within 1e-3), through 2 ranks with pass-KV, 3 with pass-Q and all-gather and 4 w
 prompts long enough to cross the sliding windows; what does not fit is refused by name with the reason."""
 
 import pytest
-from helpers import next_turn, random_prompt, raw_session, reference_generate, run_raw
+from helpers import next_turn, random_prompt, raw_session, run_raw
+from references import reference_generate
 from test_exactness import assert_same
 
 from cpchat.errors import BadInput

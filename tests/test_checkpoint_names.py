@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from ggufs import write_gguf
-from helpers import reference_generate, reference_model
 from rankprocs import start_ranks, stop_all
+from references import reference_generate, reference_tokenizer
 from test_headless import events, one_line_error, run
 
 from cpchat.checkpoints import CheckpointError
@@ -52,7 +52,7 @@ def answer_ids(result) -> list[int]:
 
 
 def expected_ids(path: Path) -> list[int]:
-    ids = reference_model(path)[1].encode(PROMPT, add_special_tokens=False)
+    ids = reference_tokenizer(path).encode(PROMPT, add_special_tokens=False)
     return [t for t, _ in reference_generate(path, ids, 5)]
 
 

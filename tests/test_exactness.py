@@ -4,17 +4,9 @@ single-process greedy generation: same tokens, logprobs within 1e-3."""
 import os
 
 import pytest
-from helpers import (
-    done_event,
-    next_turn,
-    prefill_event,
-    random_prompt,
-    raw_session,
-    reference_generate,
-    run_raw,
-)
+from helpers import done_event, next_turn, prefill_event, random_prompt, raw_session, run_raw
+from references import reference_generate, reference_top_logprobs
 
-from cpchat.client.cluster import Cluster
 from cpchat.client.generation import GenerationRequest, TokenOut
 from cpchat.core.memory import kv_bytes_per_token
 
@@ -76,22 +68,17 @@ def test_local_ranks_send_through_shared_memory(clusters, model_dir):
         cluster.ranks[2].address, cluster.link_transports = address, links
 
 
-def test_every_algorithm_over_grpc_alone(model_dir):
+def test_every_algorithm_over_grpc_alone(clusters, model_dir):
     """The gRPC data plane (what ranks on other hosts use) gives the same answers."""
     path = model_dir("qwen3")
-    cluster = Cluster.launch(3, transport="grpc")
-    try:
-        cluster.connect()
-        cluster.load(str(path))
-        assert cluster.transport_label == "grpc"
-        for length in (1, 2001):
-            ids = random_prompt(path, length, seed=length)
-            expected = reference_generate(path, ids, MAX_TOKENS)
-            for algorithm in ALGORITHMS:
-                cluster.reset(0)
-                assert_same(run_raw(cluster, path, ids, algorithm, MAX_TOKENS)[0], expected)
-    finally:
-        cluster.close()
+    cluster = clusters.get(3, path, transport="grpc")
+    assert cluster.transport_label == "grpc"
+    for length in (1, 2001):
+        ids = random_prompt(path, length, seed=length)
+        expected = reference_generate(path, ids, MAX_TOKENS)
+        for algorithm in ALGORITHMS:
+            cluster.reset(0)
+            assert_same(run_raw(cluster, path, ids, algorithm, MAX_TOKENS)[0], expected)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -223,21 +210,12 @@ def test_a_stop_token_mid_answer_leaves_the_ranks_holding_what_they_read(cluster
 def test_the_most_likely_tokens_are_mlx_lms(clusters, model_dir, ranks):
     """Asked for alternatives (the server's top_logprobs), each step names mlx-lm's five most likely
     tokens with their logprobs, whether a rank alone decodes ahead or the ranks agree on each token."""
-    import mlx.core as mx
-    import mlx_lm
-    from helpers import reference_model
-    from mlx_lm.sample_utils import make_sampler
-
     path = model_dir("llama")
     ids = random_prompt(path, 30, seed=13)
     events = list(clusters.get(ranks, path).generate(GenerationRequest(ids, max_tokens=MAX_TOKENS,
                                                                        top_logprobs=5)))
     got = [e for e in events if isinstance(e, TokenOut)]
-    model, tokenizer = reference_model(path)
-    steps = list(mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=MAX_TOKENS,
-                                        sampler=make_sampler(0.0)))
-    assert [e.id for e in got] == [r.token for r in steps]
-    for event, step in zip(got, steps, strict=True):
-        best = mx.argsort(-step.logprobs)[:5].tolist()
-        assert [i for i, _ in event.top] == best
-        assert [lp for _, lp in event.top] == pytest.approx([step.logprobs[i].item() for i in best], abs=1e-3)
+    assert [e.id for e in got] == [t for t, _ in reference_generate(path, ids, MAX_TOKENS)]
+    for event, best in zip(got, reference_top_logprobs(path, ids, MAX_TOKENS, 5), strict=True):
+        assert [i for i, _ in event.top] == [i for i, _ in best]
+        assert [lp for _, lp in event.top] == pytest.approx([lp for _, lp in best], abs=1e-3)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import random_prompt, reference_generate, reference_model, run_raw
+from helpers import random_prompt, run_raw
 from rankprocs import CPCHAT, RankProc, start_ranks, stop_all, write_token
+from references import reference_generate, reference_tokenizer
 
 from cpchat.client.cluster import Cluster
 from cpchat.client.generation import GenerationRequest, LayerDone
@@ -236,7 +237,7 @@ def children_of(pid: int) -> list[psutil.Process]:
 
 def decodes_for_a_while(model: Path) -> None:
     """The prompt's greedy answer runs well past the first token (no early end of sequence)."""
-    _, tokenizer = reference_model(model)
+    tokenizer = reference_tokenizer(model)
     ids = tokenizer.encode(PROMPT, add_special_tokens=False)
     tokens = [t for t, _ in reference_generate(model, ids, 30)]
     assert len(tokens) == 30 and not set(tokens) & set(tokenizer.eos_token_ids)

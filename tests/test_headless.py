@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
-from helpers import reference_generate, reference_model
 from makedocs import write_pdf
 from rankprocs import ranks_started_with, wait_gone
+from references import reference_generate, reference_tokenizer
 
 import cpchat
 from cpchat import blas
@@ -71,7 +71,7 @@ def test_json_events_match_mlx_lm(model_dir):
     assert ready["transport"] == "shm"  # local ranks share memory
     assert [r["threads"] for r in ready["ranks"]] == [blas.shared_threads(2)] * 2  # the cores shared out
     assert ready["shares"] == "1,2" and all(r["speed"] > 0 for r in ready["ranks"])
-    _, tokenizer = reference_model(path)
+    tokenizer = reference_tokenizer(path)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     assert prefill["turn"] == 0 and prefill["new_tokens"] == len(ids) and prefill["cached_tokens"] == 0
     assert prefill["shares"] == rank_tokens(len(ids), 2, (1, 2))  # the tokens each rank took
@@ -98,7 +98,7 @@ def test_plain_output_and_stdin_turns_share_one_conversation(model_dir):
     result = run(args.split(), stdin="\n".join(turns) + "\n")
     assert result.returncode == 0, result.stderr
     evs = events(result.stdout)
-    _, tokenizer = reference_model(path)
+    tokenizer = reference_tokenizer(path)
     history: list[int] = []
     for turn, text in enumerate(turns):
         history += tokenizer.encode(text, add_special_tokens=False)
@@ -126,7 +126,7 @@ def test_documents_reach_the_prompt(model_dir, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     prefills = [e for e in events(result.stdout) if e["event"] == "prefill"]
-    _, tokenizer = reference_model(path)
+    tokenizer = reference_tokenizer(path)
     assert prefills[0]["new_tokens"] > len(tokenizer.encode(doc.read_text()))
     assert prefills[1]["cached_tokens"] > prefills[0]["new_tokens"] - 1
 

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import reference_generate, reference_model
+from references import reference_generate, reference_tokenizer
 from test_headless import one_line_error, run
 
 from cpchat.client import hub
@@ -46,7 +46,7 @@ def test_hub_id_from_the_cache_through_ranks(offline, model_dir, name, arch):
     assert result.returncode == 0, result.stderr
     events = [json.loads(line) for line in result.stdout.splitlines()]
     assert events[0] == {**events[0], "event": "ready", "model": name}
-    ids = reference_model(model_dir(arch))[1].encode(prompt, add_special_tokens=False)
+    ids = reference_tokenizer(model_dir(arch)).encode(prompt, add_special_tokens=False)
     expected = reference_generate(model_dir(arch), ids, 5)
     assert [e["id"] for e in events if e["event"] == "token"] == [t for t, _ in expected]
 

@@ -7,15 +7,9 @@ import functools
 import random
 
 import pytest
-from helpers import (
-    float32_weight,
-    low_precision_noise,
-    next_turn,
-    raw_session,
-    reference_generate,
-    reference_model,
-    run_raw,
-)
+from helpers import next_turn, raw_session, run_raw
+from mlx_reference import float32_weight
+from references import low_precision_noise, reference_generate, reference_tokenizer
 
 from cpchat.demo.data import make_example
 
@@ -27,7 +21,7 @@ MAX_TOKENS = 16
 def reference(path, ids: tuple[int, ...]) -> tuple[list[tuple[int, float]], float]:
     """mlx-lm's generation (without the end-of-turn token, which cpchat does not emit) and its noise."""
     expected = reference_generate(path, list(ids), MAX_TOKENS)
-    if expected[-1][0] in reference_model(path)[1].eos_token_ids:
+    if expected[-1][0] in reference_tokenizer(path).eos_token_ids:
         expected = expected[:-1]
     return expected, low_precision_noise(path, list(ids), expected)
 
@@ -42,7 +36,7 @@ def assert_within_noise(path, ids, got):
 def question_ids(path, seed: int, n_questions: int = 1) -> tuple[list[int], list[str]]:
     """A demo document with a question, as chat-template token ids, and the later questions."""
     example = make_example(random.Random(seed), 30, n_questions=n_questions)
-    _, tokenizer = reference_model(path)
+    tokenizer = reference_tokenizer(path)
     first = example.messages()[0]
     ids = tokenizer.apply_chat_template([first], add_generation_prompt=True)
     return ids, [q for q, _ in example.turns[1:]]
@@ -66,7 +60,7 @@ def test_follow_up_turns_in_low_precision(clusters, checkpoint, form):
     later turn prefilling only its new tokens, equal mlx-lm over the whole conversation."""
     path = checkpoint(form)
     cluster = clusters.get(3, path)
-    _, tokenizer = reference_model(path)
+    tokenizer = reference_tokenizer(path)
     session = raw_session(cluster, path, "auto", MAX_TOKENS)
     ids, questions = question_ids(path, seed=11, n_questions=3)
     turns = [ids] + [tokenizer.encode(f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n",

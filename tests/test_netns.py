@@ -19,8 +19,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import reference_generate, reference_model
 from rankprocs import CPCHAT, RankProc, ranks_started_with, start_ranks, stop_all, wait_gone, write_token
+from references import reference_generate, reference_tokenizer
 
 from cpchat.client.cluster import Cluster
 from cpchat.client.generation import GenerationRequest, TokenOut
@@ -137,7 +137,7 @@ def run_ok(attach: list[str], token: Path, model: Path, *extra: str) -> list[dic
 
 
 def expected_tokens(model: Path, max_tokens: int) -> list[int]:
-    _, tokenizer = reference_model(model)
+    tokenizer = reference_tokenizer(model)
     return [t for t, _ in reference_generate(model, tokenizer.encode(PROMPT, add_special_tokens=False),
                                              max_tokens)]
 
@@ -264,7 +264,7 @@ def assert_answers(addresses: list[str], path: Path) -> None:
             time.sleep(0.05)
         cluster.connect()
         cluster.load(str(path))
-        _, tokenizer = reference_model(path)
+        tokenizer = reference_tokenizer(path)
         ids = tokenizer.encode(PROMPT, add_special_tokens=False)
         request = GenerationRequest(ids, max_tokens=6, stop_tokens=sorted(tokenizer.eos_token_ids))
         got = [e.id for e in cluster.generate(request) if isinstance(e, TokenOut)]

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers import random_prompt, reference_generate, reference_model, run_raw
+from helpers import random_prompt, run_raw
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rankprocs import CPCHAT, loaded_ring, make_certs, start_ranks, stop_all, write_token
+from references import reference_generate, reference_tokenizer
 
 from cpchat.client.cluster import Cluster
 from cpchat.client.generation import GenerationRequest, TokenOut
@@ -262,7 +263,7 @@ def test_second_front_end_is_refused_while_a_generation_runs(secured, model_dir)
     finally:
         intruder.close()
     rest = [e.id for e in stream if isinstance(e, TokenOut)]
-    _, tokenizer = reference_model(path)
+    tokenizer = reference_tokenizer(path)
     expected = reference_generate(path, ids, 60)
     if expected[-1][0] in tokenizer.eos_token_ids:
         expected = expected[:-1]  # mlx-lm reports the stop token; the raw request ran on past it
@@ -313,7 +314,7 @@ def test_headless_over_tls_matches_mlx_lm(tls_ring, model_dir):
         capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     tokens = [json.loads(ln)["id"] for ln in result.stdout.splitlines() if '"token"' in ln]
-    _, tokenizer = reference_model(path)
+    tokenizer = reference_tokenizer(path)
     ids = tokenizer.encode("The answer is", add_special_tokens=False)
     assert tokens == [t for t, _ in reference_generate(path, ids, 5)]
 

@@ -2,7 +2,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cpchat.core.sharding import head_split, head_tail_layout, head_tail_positions, owner_of, padded_length
+from cpchat.core.sharding import (
+    chunk_lengths,
+    decode_owner,
+    head_split,
+    head_tail_layout,
+    head_tail_positions,
+    owner_of,
+    padded_length,
+    rank_tokens,
+)
 
 
 @pytest.mark.parametrize("n", range(1, 9))
@@ -31,6 +40,35 @@ def test_layout_rows_are_chunks_i_and_mirror():
     assert layout.positions() == [0, 1, 2, 9, 10, 11]
     assert layout.real_mask() == [True, True, True, True, False, False]
     assert head_tail_positions(10, 2, 1) == [3, 4, 5, 6, 7, 8]
+
+
+# Worked out by hand: c_i = ceil(ceil(T/2) * s_i / sum(s)); rank i's head chunk follows the head chunks of
+# ranks before it, its tail chunk mirrors it from the end of the padded sequence (2 * sum(c)).
+UNEQUAL = [
+    # T, shares, c, each rank's real positions
+    (10, (1, 3), [2, 4], [[0, 1], list(range(2, 10))]),  # padded 12: rank 0's tail [10, 12) is padding
+    (7, (3, 1, 2), [2, 1, 2], [[0, 1], [2], [3, 4, 5, 6]]),  # padded 10
+    (997, (1, 7), [63, 437], [[*range(63), *range(937, 997)], list(range(63, 937))]),  # padded 1000
+    (9, (5, 1, 1, 2), [3, 1, 1, 2], [[0, 1, 2], [3], [4], [5, 6, 7, 8]]),  # padded 14
+]
+
+
+@pytest.mark.parametrize("seq_len, shares, chunks, positions", UNEQUAL)
+def test_unequal_shares_by_hand(seq_len, shares, chunks, positions):
+    n = len(shares)
+    assert chunk_lengths(seq_len, n, shares) == chunks
+    assert [head_tail_positions(seq_len, n, r, shares) for r in range(n)] == positions
+    assert rank_tokens(seq_len, n, shares) == [len(p) for p in positions]
+    assert all(owner_of(p, seq_len, n, shares) == r for r, held in enumerate(positions) for p in held)
+
+
+def test_decoded_tokens_go_round_robin_by_share():
+    """Smooth weighted round robin, by hand: each rank as often as its share, spread out."""
+    cycles = {(1, 7): [1, 1, 1, 0, 1, 1, 1, 1], (3, 1, 2): [0, 2, 0, 1, 2, 0],
+              (5, 1, 1, 2): [0, 3, 0, 1, 0, 2, 0, 3, 0], (2, 2): [0, 1], (1, 1, 1): [0, 1, 2]}
+    for shares, cycle in cycles.items():
+        n = len(shares)
+        assert [decode_owner(p, n, shares) for p in range(2 * len(cycle))] == cycle * 2, shares
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import next_turn, prefill_event, raw_session, run_raw
-from mlx_reference import MlxReference
+from references import MlxReference
 from test_headless import run
 
 from cpchat.checkpoints import CheckpointError
@@ -81,8 +81,8 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def document(tokenizer, tokens: int) -> str:
-    """The start of this project's README, about `tokens` long."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    """The start of a document about this project (its README of November 2026), about `tokens` long."""
+    text = (ROOT / "tests" / "data" / "smollm2-document.md").read_text(encoding="utf-8")
     return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:tokens])
 
 
@@ -163,14 +163,18 @@ def test_a_two_thousand_token_prompt(clusters, smollm2, long_reference, tokenize
         assert_as_mlx_lm(got, long_reference, ids)
 
 
-def test_cpchat_model_smollm2_answers(smollm2):
-    """`cpchat --model smollm2` as a user runs it (its download in the cache, as after a first run)."""
+def test_cpchat_model_smollm2_answers(smollm2, reference, tokenizer):
+    """`cpchat --model smollm2` as a user runs it (its download in the cache, as after a first run): mlx-lm's
+    answer, whole (it ends well within the default 256 tokens)."""
     from cpchat.dirs import cache_dir
 
     cached = cache_dir() / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     cached.parent.mkdir(parents=True, exist_ok=True)
     if not cached.exists():
         cached.symlink_to(named_gguf("smollm2", DOWNLOADS))
-    result = run(["--headless", "--model", "smollm2", "--prompt", "What is the capital of France?"])
+    question = "What is the capital of France?"
+    answer, _ = reference(chat_ids(tokenizer, question), 256)
+    assert len(answer) < 256
+    result = run(["--headless", "--model", "smollm2", "--prompt", question])
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "The capital of France is Paris."
+    assert result.stdout.strip() == tokenizer.decode([t for t, _ in answer]).strip()
