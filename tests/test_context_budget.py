@@ -12,8 +12,9 @@ from cpchat.core import attention
 from cpchat.core.estimate import PrefillCost, line_through, rank_pairs
 from cpchat.core.sharding import head_tail_layout, head_tail_positions
 from cpchat.format import human_duration
-from cpchat.rank.engine import _probe_forward, load_model
 from cpchat.rank.fit import usable_context
+from cpchat.rank.forward import probe_forward
+from cpchat.rank.model_load import load_model
 from cpchat.smallmodels import write_model
 
 CONTEXT = 160
@@ -99,7 +100,7 @@ def test_a_calibration_forward_longer_than_the_vocabulary_feeds_only_its_tokens(
         return embed(ids)
 
     model.model.embed_tokens = recording
-    _probe_forward(model, info.vocab_size, chunk=info.vocab_size)
+    probe_forward(model, info.vocab_size, chunk=info.vocab_size)
     assert seen == [info.vocab_size - 1]
 
 def session_on(clusters, model, max_tokens: int = 200) -> Session:

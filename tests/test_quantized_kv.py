@@ -172,8 +172,8 @@ def test_what_mlx_lm_cannot_quantize_is_refused_by_name(clusters, tmp_path, arch
 def test_sinks_are_refused_by_name():
     """gpt-oss is the one family with sinks, and its sliding layers are refused first: the sink check on
     its own, on a model shape as a rank would find it."""
-    from cpchat.rank.engine import KVFormatRefused, ModelShape, check_kv_format
     from cpchat.rank.fit import LayerAttention
+    from cpchat.rank.model_load import KVFormatRefused, ModelShape, check_kv_format
 
     layer = LayerAttention(None, 4, 2, 64, 64, 4, sinks=True)
     shape = ModelShape("gpt_oss", 1, 4, 2, 64, 512, 4, 0, [layer], None, kv_format=KVFormat(4, 64, 0))

@@ -8,14 +8,21 @@ same ids, on its MLX thread."""
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
-from cpchat.core.estimate import PrefillCost
+from cpchat.core.attention import partial_attention
+from cpchat.core.estimate import PrefillCost, line_through, rank_pairs
+from cpchat.core.memory import ForwardMemory
 from cpchat.protocol import cpchat_pb2 as pb
+from cpchat.rank.cpu_products import MIN_ROWS
+from cpchat.rank.forward import probe_forward
+from cpchat.rank.model_load import ModelShape
 from cpchat.rank.transport.ring import Ring
 from cpchat.rank.transport.wire import BlockKey
 
@@ -124,3 +131,68 @@ def exchange_latency(ring: Ring, request_id: str, abort: threading.Event) -> flo
         for peer in ring.peers:
             ring.take(key, abort, source=peer)
     return (time.perf_counter() - t0) / LATENCY_ROUNDS
+
+
+def measure_prefill(model, info: ModelShape) -> tuple[PrefillCost, ForwardMemory]:
+    """Time this model here: attention of 1024 queries over 2048 keys for each query-key pair's cost,
+    in tiles with every pair visible and in tiles with a causal mask (a prefill's tiles are that
+    large, cpchat.core.estimate); then a forward of a few tokens and one long enough to take about
+    0.6 s more (up to 1024 tokens), less their own attention at those costs, for the weights' work.
+    Each is the median of a few runs, not the fastest: a prefill sums many such calls, the odd slow
+    one included. The short forward has MIN_ROWS tokens a row, so both run the products a prefill
+    runs (below that, a low-precision model's run MLX's native kernels, many times slower a token).
+    The same two forwards' peak memory, less the K/V they stored, gives what a forward of T tokens
+    allocates for its activations; a forward of one token a row, a decode step's cost."""
+    layer, queries, keys = info.first_attention, 1024, 2048
+    q = mx.random.normal((1, layer.query_heads, queries, layer.key_dim))
+    k = mx.random.normal((1, layer.key_heads, keys, layer.key_dim))
+    v = mx.random.normal((1, layer.key_heads, keys, layer.value_dim))
+    mx.eval(q, k, v)
+    layers = info.num_layers - len(info.linear)
+
+    def per_pair_s(first_query: int, key_count: int, warm_up: int = 0) -> float:
+        """Seconds a pair, the queries from `first_query` on over the first `key_count` keys (after
+        `warm_up` runs untimed)."""
+        q_pos, k_pos = np.arange(first_query, first_query + queries), np.arange(key_count)
+
+        def once() -> float:
+            start = time.perf_counter()
+            mx.eval(*partial_attention(q, k[:, :, :key_count], v[:, :, :key_count], q_pos, k_pos, scale=1.0))
+            return time.perf_counter() - start
+
+        runs = [once() for _ in range(warm_up + 5)][warm_up:]
+        return statistics.median(runs) / (queries * key_count) * layers
+
+    # A freshly loaded rank's first few tiles ran up to twice as slowly as the rest (measured).
+    visible = per_pair_s(keys, keys, warm_up=4)  # every pair visible
+    masked = max(per_pair_s(0, queries), visible)  # one tile on the diagonal: a causal mask
+    attention = PrefillCost(0, 0, visible, 0, masked)
+    groups = max(layer.query_heads // layer.key_heads, 1)
+    peaks: dict[int, int] = {}
+
+    def forward_s(tokens: int) -> float:
+        """A prefill forward of `tokens` on one rank."""
+        held = mx.get_active_memory()
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        kv = probe_forward(model, info.vocab_size, tokens // 2).kv
+        seconds = time.perf_counter() - start
+        peaks[tokens] = mx.get_peak_memory() - held - kv.nbytes  # the activations: K/V are counted apart
+        return seconds
+
+    def typical_s(tokens: int) -> float:
+        return statistics.median(forward_s(tokens) for _ in range(3))
+
+    def own_attention_s(tokens: int) -> float:
+        return attention.rank_seconds(0, rank_pairs(tokens, 0, 1, groups)[0])
+
+    few = 2 * MIN_ROWS
+    short = typical_s(few)
+    tokens = int(min(max(few * 0.6 / max(short, 1e-6), 4 * few), 1024)) // 2 * 2
+    long = typical_s(tokens)
+    fixed, per_token = line_through(few, short - own_attention_s(few), tokens, long - own_attention_s(tokens))
+    if per_token == 0:  # a tiny model's products, lost in its attention's noise: count them with it
+        fixed, per_token = line_through(few, short, tokens, long)
+    memory = ForwardMemory(*line_through(few, peaks[few], tokens, peaks[tokens]))
+    step = typical_s(2)  # rows of one token: a decode step's kernels
+    return PrefillCost(fixed, per_token, visible, step, masked), memory

@@ -12,7 +12,7 @@ from cpchat.rank.fit import UnsupportedModel
 
 
 def describe(arch: str, root: Path) -> str:
-    from cpchat.rank.engine import load_model
+    from cpchat.rank.model_load import load_model
     from cpchat.smallmodels import write_model
 
     path = write_model(root / arch, arch)

@@ -31,8 +31,10 @@ from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 from cpchat.protocol.channel import SERVER_KEEPALIVE, TokenCheck, open_channel, token_metadata
 from cpchat.rank.calibration import MAX_PROBE_BYTES, PROBE_BYTES, Calibration, calibrate
-from cpchat.rank.engine import BadRequest, Engine, KVFormatRefused, UnsupportedModel
+from cpchat.rank.engine import BadRequest, Engine
+from cpchat.rank.fit import UnsupportedModel
 from cpchat.rank.memory import free_bytes, reuse_freed_blocks
+from cpchat.rank.model_load import KVFormatRefused
 from cpchat.rank.prefix_cache import CacheMiss, PrefixStore
 from cpchat.rank.transport.data_plane import (
     DataPlane,
@@ -520,7 +522,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             self.stop.wait(interval)
 
     def Shutdown(self, request, context):
-        self.s.engine.flush()  # the prefix files being written are finished first
+        self.s.engine.prefix.flush()  # the prefix files being written are finished first
         self.stop.set()
         return pb.ShutdownReply()
 
@@ -598,7 +600,7 @@ def serve(
     reuse_freed_blocks()
     stop = threading.Event()
     state = RankState(token, tls_ca, memory_limit)
-    state.engine.cache = cache
+    state.engine.prefix.cache = cache
     state.shm = SharedMemoryListener(token, state.receive, state.link_closed)
     state.data_plane_port = free_port(host)
     interceptors = [TokenCheck(token)] if token else []
@@ -617,7 +619,7 @@ def serve(
     server.start()
     print(json.dumps({"event": "listening", "address": f"{host}:{bound}", "pid": os.getpid()}), flush=True)
     if parent_pid:
-        args = (parent_pid, stop, state.engine.flush)
+        args = (parent_pid, stop, state.engine.prefix.flush)
         threading.Thread(target=_watch_parent, args=args, daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a clean stop: the prefix files being written end
     try:
@@ -627,7 +629,7 @@ def serve(
         pass
     state.health.enter_graceful_shutdown()  # NOT_SERVING for the grace period, to balancers
     server.stop(grace=0.5).wait()
-    state.engine.flush()
+    state.engine.prefix.flush()
     state.shm.close()
     sys.stdout.flush()
     sys.stderr.flush()

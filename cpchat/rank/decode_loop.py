@@ -1,0 +1,210 @@
+"""One answer's decode on this rank: every rank runs each new token through the model in lockstep (so all
+hidden states agree), one rank keeps its K/V (round robin by position, in the shares), and the rank
+that samples a token shares it with the others before the next step."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from cpchat import blas
+from cpchat.core.sharding import decode_owner
+from cpchat.protocol import cpchat_pb2 as pb
+from cpchat.rank import gathered
+from cpchat.rank.algorithms import DECODE, decode
+from cpchat.rank.context_parallel import LayerCall, RingPass
+from cpchat.rank.forward import run_model
+from cpchat.rank.kvstore import KVShard
+from cpchat.rank.model_load import ModelShape
+from cpchat.rank.prefix_keeper import PrefixKeeper
+from cpchat.rank.sampling import sample, token_event
+from cpchat.rank.transport.ring import Aborted, Ring
+from cpchat.rank.transport.wire import BlockKey
+
+# Decode steps that rank 0 runs alone (cpchat.rank.algorithms.decode): the others cannot advance a
+# recurrent state with it, and rank 0 takes every core for its products.
+RANK_0_ALONE = frozenset({"lead", "gather"})
+
+_streams = threading.local()  # MLX streams belong to the thread that made them
+
+
+class Held(Protocol):
+    """What a decode loop reads and advances of the engine: the model, this rank's K/V and the
+    ring's token count, and how a ring pass is made and recorded."""
+
+    model: object
+    info: ModelShape
+    kv: KVShard
+    total_tokens: int
+    layer_calls: dict[int, LayerCall]
+    prefix: PrefixKeeper
+
+    def ring_pass(self, request_id: str, algorithm: str, ring: Ring, abort: threading.Event,
+                  positions: np.ndarray, real: np.ndarray, row_offsets: mx.array | int, start: int,
+                  seq_len: int, **extra) -> RingPass: ...
+
+    def record(self, ring_pass: RingPass) -> None: ...
+
+    def record_no_pass(self, algorithm: str) -> None: ...
+
+
+class DecodeLoop:
+    """The decode of one request on this rank."""
+
+    def __init__(self, held: Held, req: pb.GenerateRequest, ring: Ring, abort: threading.Event) -> None:
+        self.held, self.req, self.ring, self.abort = held, req, ring, abort
+        self.step_kind = DECODE[req.decode].name
+        self.shares = tuple(req.shares) or None
+        self.gathered: gathered.Gathered | None = None  # rank 0's view of every rank's K/V in a gather step
+        self.handing: deque[tuple[int, int, gathered.NewKV]] = deque()  # its steps' new K/V, to hand on
+
+    def sample_and_share(self, source: int, index: int, logits: mx.array | None) -> pb.TokenEvent:
+        """The `source` rank samples token `index` and sends it to every other rank at once."""
+        if self.ring.rank == source:
+            sampled = sample(logits, self.req.sampling, index)
+            mx.eval(sampled)
+            self.share(index, sampled)
+            return token_event(sampled)
+        arrays, _ = self.ring.take(BlockKey(self.req.request_id, 0, index, pb.TOKEN), self.abort, source)
+        return token_event(arrays)
+
+    def share(self, index: int, sampled: list[mx.array]) -> None:
+        if self.ring.size > 1:
+            self.ring.send_all(BlockKey(self.req.request_id, 0, index, pb.TOKEN),
+                               [a.reshape(-1) for a in sampled], self.ring.peers)
+
+    def threads(self) -> contextlib.AbstractContextManager:
+        """In a lead or gather step rank 0 runs the weight products alone, on every core of the machine."""
+        if self.ring.rank == 0 and self.ring.size > 1 and self.step_kind in RANK_0_ALONE:
+            return blas.threads(blas.usable_cores())
+        return contextlib.nullcontext()
+
+    def run(self, emit: Callable[[pb.GenerateEvent], None], first: pb.TokenEvent, stop: set[int],
+            quantize_by: Callable[[int], None]) -> int:
+        """Emit the first token and decode the rest; the last token (emitted, or the stop token).
+        A rank alone runs as mlx-lm's generate_step does: the step after next is built from the next
+        token before that token is known, so building one step overlaps evaluating the other, and a
+        step built from what turns out to be a stop token is forgotten; so does rank 0 in gather steps,
+        handing each step on once evaluated. Other ranks of a ring take each token from the
+        sampling rank before they step (linear layers' states keep that order too)."""
+        held, req, ring = self.held, self.req, self.ring
+        alone = ring.size == 1 or (ring.rank == 0 and self.step_kind == "gather")
+        pipelined = alone and not held.info.linear
+
+        def step_ahead(previous: int | mx.array, index: int) -> list[mx.array]:
+            quantize_by(held.total_tokens)
+            pending = sample(self.step(previous, evaluate=False), req.sampling, index)
+            mx.async_eval(*pending)
+            return pending
+
+        event, ahead = first, None  # ahead: the step that gives token index + 1, under way
+        for index in range(req.max_tokens):
+            token = event.id
+            if token in stop:
+                break
+            emit(pb.GenerateEvent(token=event))
+            if index + 1 >= req.max_tokens:
+                break
+            if self.abort.is_set():
+                raise Aborted(req.request_id)
+            if pipelined:
+                ahead = step_ahead(token, index + 1) if ahead is None else ahead
+                following = step_ahead(ahead[0], index + 2) if index + 2 < req.max_tokens else None
+                held.prefix.read_token(token)
+                event = token_event(ahead)
+                if ring.size > 1:  # a gather step, handed on while the next one evaluates
+                    self.hand_on(index + 1, ahead)
+                ahead = following
+            else:
+                quantize_by(held.total_tokens)
+                logits = self.step(token)
+                held.prefix.read_token(token)
+                event = self.sample_and_share(0, index + 1, logits)
+        if ahead is not None:  # built from a stop token: its K/V go
+            held.total_tokens -= 1
+            held.kv.truncate(held.total_tokens)
+        if self.gathered is not None:
+            self.gathered.hand_back(held.kv, lambda p: decode_owner(p, ring.size, self.shares) == 0,
+                                    below=held.total_tokens)
+        return event.id
+
+    def step(self, token: int | mx.array, evaluate: bool = True) -> mx.array | None:
+        """One token's step; `token` may be a graph still being evaluated (a pipelined step, which
+        is left a graph too)."""
+        held, ring = self.held, self.ring
+        position = held.total_tokens
+        keeper = decode_owner(position, ring.size, self.shares)
+        if self.step_kind == "gather" and ring.size > 1:
+            logits = self.gather_step(token, position, keeper, evaluate)
+            held.total_tokens = position + 1
+            return logits
+        store = keeper == ring.rank
+        if store:
+            held.kv.begin_append(np.array([position]))
+        ring_pass = held.ring_pass(self.req.request_id, self.step_kind, ring, self.abort,
+                                   np.array([position]), np.array([True]), position, position, 1, store=store,
+                                   keeper=keeper)
+        if self.step_kind == "lead" and ring.rank != 0:
+            decode.follow(ring_pass, [held.layer_calls[i] for i in sorted(held.layer_calls)])
+            if store:
+                held.kv.commit()
+            logits = None
+        else:
+            ids = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]])
+            logits = run_model(held.model, ring_pass, ids, row=0, evaluate=evaluate)
+        held.record(ring_pass)
+        held.total_tokens = position + 1
+        return logits if ring.rank == 0 else None
+
+    def gather_step(self, token: int | mx.array, position: int, keeper: int,
+                    evaluate: bool) -> mx.array | None:
+        """A gather step (cpchat.rank.gathered): rank 0 runs it alone over every rank's K/V, as a rank
+        alone does, and `hand_on` gives the new token's K/V to the rank that keeps them once evaluated;
+        the others only keep theirs."""
+        held, ring, request_id = self.held, self.ring, self.req.request_id
+        if ring.rank != 0:
+            held.record_no_pass("gather")
+            if keeper == ring.rank:
+                arrays, _ = ring.take(gathered.new_kv_key(request_id, position), self.abort, 0)
+                self.keep_new(position, gathered.unpack_new(arrays))
+            return None
+        if self.gathered is None:
+            self.gathered = gathered.gather_shards(held.kv, ring, self.abort, request_id)
+        if held.kv.quantized and not self.gathered.quantized:
+            self.gathered.quantize()
+        self.gathered.new.begin_append(np.array([position]))
+        ring_pass = held.ring_pass(request_id, "gather", Ring(0, 1, {}, ring.mailbox), self.abort,
+                                   np.array([position]), np.array([True]), position, position, 1,
+                                   kv=self.gathered.new, keeper=keeper, hand_on=True,
+                                   held=self.gathered.blocks(held.kv))
+        ids = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]])
+        logits = run_model(held.model, ring_pass, ids, row=0, evaluate=evaluate)
+        held.record(ring_pass)
+        self.handing.append((position, keeper, ring_pass.unkept))
+        return logits
+
+    def hand_on(self, index: int, sampled: list[mx.array]) -> None:
+        """After a gather step is evaluated: its new K/V to the rank that keeps them, its token to
+        every other rank. On an MLX stream of their own: the default one is evaluating the next step,
+        and anything queued behind it would wait for it."""
+        position, keeper, new = self.handing.popleft()
+        if not hasattr(_streams, "side"):
+            _streams.side = mx.new_stream(mx.cpu)
+        with mx.stream(_streams.side):
+            if keeper:  # rank 0's own are in self.gathered.new until the answer ends
+                self.ring.send(gathered.new_kv_key(self.req.request_id, position), gathered.pack_new(new),
+                               to=keeper)
+            self.share(index, sampled)
+
+    def keep_new(self, position: int, new: gathered.NewKV) -> None:
+        kv = self.held.kv
+        kv.begin_append(np.array([position]))
+        for layer, (k, v) in sorted(new.items()):
+            kv.append(layer, k, v)
+        kv.commit()
