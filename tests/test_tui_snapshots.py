@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from cpchat.client.cluster import ServedModel
 from cpchat.client.documents import Document, Section
 from cpchat.client.events import AlgorithmChoice, Prefill, RankStats, RingStep
+from cpchat.client.ranks import ServedModel
 from cpchat.client.settings import Settings, bundled
 from cpchat.client.transcripts import Entry
 from cpchat.tui.app import CpchatApp

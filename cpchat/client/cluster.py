@@ -4,31 +4,29 @@ load, generate, watch health, and tear down. Reaches ranks only over gRPC."""
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
 
-from cpchat.blas import BlasInfo, BlasUnavailable
-from cpchat.client.events import RankStats, RingStep
-from cpchat.client.generation import (
-    GenerationDone,
-    GenerationEvent,
-    GenerationRequest,
-    LayerDone,
-    PrefillDone,
-    RankDone,
-    TokenOut,
-)
+from cpchat.blas import BlasUnavailable
+from cpchat.client.events import RankStats
+from cpchat.client.generation import GenerationEvent, GenerationRequest
 from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks, rank_devices, visible_gpus
+from cpchat.client.messages import generate_request, rank_stats
 from cpchat.client.prefixes import PrefixChoice, PrefixGone, PrefixLoaded, SavedPrefix
-from cpchat.core.algorithms import BY_NAME
+from cpchat.client.ranks import RankHandle, ServedModel, describe_failure
+from cpchat.client.streams import (
+    HEALTH_DEADLINE_S,
+    SILENCE_S,
+    GenerationRun,
+    RankResult,
+    merged_stats,
+    unanswering,
+)
 from cpchat.core.estimate import PrefillCost
 from cpchat.core.memory import ForwardMemory
 from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
@@ -42,119 +40,8 @@ from cpchat.protocol.channel import open_channel, token_metadata
 # first backend every rank has, with shared memory or gRPC for the pairs it does not reach (mlx).
 TRANSPORTS = ("auto", "grpc", "shm", "mlx")
 DATA_PLANE_TIMEOUT_S = 60.0  # forming a group waits for every rank to connect
-HEALTH_DEADLINE_S = 2.0
-# During a generation every rank beats (Heartbeat) from a thread of its own, however busy its work:
-# one silent for SILENCE_S has stopped (SIGSTOP, a frozen machine) and is named, slow or not.
-BEAT_INTERVAL_S = 0.5
-SILENCE_S = 3.0
 SHUTDOWN_S = 60.0  # a local rank finishes writing its prefix files before it answers
 MESSAGE_SIZE = [("grpc.max_receive_message_length", 16 << 20)]
-
-
-@dataclass
-class ServedModel:
-    """The model every rank has loaded, as their LoadModel replies describe it."""
-
-    name: str
-    model_type: str
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    vocab_size: int
-    bytes_per_element: int
-    max_context: int
-    head_dim: int = 0
-    value_dim: int = 0
-    state_layers: int = 0  # of num_layers, those with a recurrent state instead of K/V
-    kv_format: KVFormat = FULL_PRECISION  # how the ranks keep K/V (--kv-bits)
-    weight_bytes: int = 0  # on each rank
-
-    @property
-    def attention_layers(self) -> int:
-        """The layers that keep K/V and attend (the others keep a recurrent state)."""
-        return self.num_layers - self.state_layers
-
-    @property
-    def groups(self) -> int:
-        """Query heads that share a key head."""
-        return max(self.num_q_heads // max(self.num_kv_heads, 1), 1)
-
-
-@dataclass
-class RankHandle:
-    rank: int
-    address: str
-    channel: grpc.Channel
-    control: pb_grpc.ControlStub
-    local: LocalRank | None = None
-    state: str = "starting"
-    blas: pb.Blas = field(default_factory=pb.Blas)  # from Health, at connect
-    cpu_cores: int = 0  # from Health: the cores it may run on
-    cpu_allowance: float = 0.0  # from Health (again at each calibration): cores' worth of CPU time
-    computes_on_cpu: bool = False  # from Health: no accelerator
-    data_plane_backends: tuple[str, ...] = ()  # from Health: mx.distributed backends, fastest first
-    data_plane_port: int = 0  # from Health
-
-    @property
-    def host(self) -> str:
-        """The address without its port."""
-        return self.address.rsplit(":", 1)[0]
-
-    @property
-    def label(self) -> str:
-        return f"rank {self.rank} ({self.address})"
-
-    @property
-    def blas_label(self) -> str:
-        return BlasInfo(self.blas.name, self.blas.version, self.blas.library).label if self.blas.name else ""
-
-    @property
-    def slow_blas(self) -> bool:
-        """A CPU rank on the reference BLAS: Health then carries the command that fixes it."""
-        return bool(self.blas.fix)
-
-
-@dataclass
-class RankResult:
-    done: RankDone | None = None
-    error: str | None = None
-
-
-@dataclass
-class GenerationWatch:
-    """What a running generation knows about where it is, for error messages."""
-
-    phase: str = "prefill"
-    layer: int = 0
-    tokens: int = 0
-    failure: str | None = None
-    refused: bool = False  # the ranks refused the request itself (INVALID_ARGUMENT): bad input
-    results: dict[int, RankResult] = field(default_factory=dict)
-
-
-# What the stream readers and the health monitor tell `generate`, besides rank 0's events.
-@dataclass(frozen=True)
-class RankPrefilled:
-    rank: int
-    ms: float
-
-
-@dataclass(frozen=True)
-class RankFailed:
-    message: str
-
-
-@dataclass(frozen=True)
-class LinkBroke:
-    """A rank's ring link broke: the culprit may be a neighbour."""
-
-    reporter: RankHandle
-    error: grpc.RpcError
-
-
-@dataclass(frozen=True)
-class StreamEnded:
-    rank: int
 
 
 def parse_addresses(text: str) -> list[str]:
@@ -259,20 +146,7 @@ class Cluster:
         return results
 
     def _describe(self, r: RankHandle, e: grpc.RpcError, phase: str = "", connecting: bool = False) -> str:
-        code = e.code()
-        where = f" during {phase}" if phase else ""
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            detail = e.details() or ""
-            if "CERTIFICATE_VERIFY_FAILED" in detail or "andshake" in detail:
-                return f"{r.label} failed the TLS check: its certificate is not signed by the --tls-ca given"
-            if connecting:
-                tls_hint = "Socket closed" in detail and not self.tls_ca
-                hint = " (if it serves TLS, pass --tls-ca)" if tls_hint else ""
-                return f"{r.label} is unreachable{hint}"
-            return f"{r.label} stopped answering{where}"
-        if code == grpc.StatusCode.UNAUTHENTICATED:
-            return f"{r.label} refused the connection: wrong or missing token"
-        return f"{r.label}: {e.details() or code.name}"
+        return describe_failure(r, e, phase, connecting, tls=self.tls_ca is not None)
 
     def connect(self, timeout: float = 5.0) -> None:
         """Wait until every rank answers, then tell each its place in the ring."""
@@ -519,15 +393,7 @@ class Cluster:
 
     def unanswering(self, timeout: float = HEALTH_DEADLINE_S) -> list[tuple[RankHandle, grpc.RpcError]]:
         """Ranks that do not answer Health within timeout (all asked at once), in ring order."""
-        calls = [(r, r.control.Health.future(pb.HealthRequest(), timeout=timeout, metadata=self.metadata))
-                 for r in self.ranks]
-        failed = []
-        for r, call in calls:
-            try:
-                call.result()
-            except grpc.RpcError as e:
-                failed.append((r, e))
-        return failed
+        return unanswering(self.ranks, self.metadata, timeout)
 
     def generate(self, generation: GenerationRequest) -> Iterator[GenerationEvent]:
         """Run one request on every rank; yield rank 0's events (progress, prefill,
@@ -535,240 +401,23 @@ class Cluster:
         naming it and the phase; the survivors drop the request and stay usable."""
         if not self._lock.acquire(blocking=False):
             raise BackendError("a generation is already running on this cluster")
-        request = _request(generation)
-        self._current_request = request.request_id
-        watch = GenerationWatch()
-        self.last_results = watch.results
-        events: queue.Queue = queue.Queue()
-        finished = threading.Event()
-        streams, monitor = [], None
         try:
-            streams = [r.control.Generate(request, metadata=self.metadata) for r in self.ranks]
-            readers = [self._pool.submit(self._read, r, s, watch, events)
-                       for r, s in zip(self.ranks, streams, strict=True)]
-            monitor = threading.Thread(target=self._monitor, args=(watch, finished, events), daemon=True)
-            monitor.start()
-            remaining = len(self.ranks)
-            # Rank 0 reports its prefill (and first token) as soon as *it* is done; hold them until
-            # every rank is, so prefill time and decode rate describe the whole ring.
-            held: list[GenerationEvent] | None = None
-            prefilled: dict[int, float] = {}
-            while remaining:
-                item = events.get()
-                if isinstance(item, StreamEnded):
-                    remaining -= 1
-                elif isinstance(item, RankPrefilled):
-                    prefilled[item.rank] = item.ms
-                elif isinstance(item, (RankFailed, LinkBroke)):
-                    if watch.failure is None:
-                        watch.failure = item.message if isinstance(item, RankFailed) else self._blame(
-                            item.reporter, item.error, watch)
-                        self._abort_all(streams)
-                elif isinstance(item, PrefillDone):
-                    held = [item]
-                elif held is not None:
-                    held.append(item)
-                else:
-                    yield item
-                if held is not None and len(prefilled) == len(self.ranks):
-                    held[0] = replace(held[0], ms=max(prefilled.values()))
-                    yield from held
-                    held = None
-            if held is not None and watch.failure is None:  # a rank stopped short of prefill (cancel)
-                yield from held
-            for f in readers:
-                f.result()
-            if watch.failure:
-                raise (BadInput if watch.refused else BackendError)(watch.failure)
-            yield GenerationDone(watch.results[0].done)
+            request = generate_request(generation)
+            self._current_request = request.request_id
+            run = GenerationRun(self.ranks, self.metadata, self._pool, self._describe, request)
+            self.last_results = run.watch.results
+            yield from run.events()
         finally:
-            finished.set()
-            if monitor is not None:
-                monitor.join()  # its heartbeat streams are cancelled: no thread is left inside gRPC
-            if watch.failure is None and any(s.is_active() for s in streams):
-                self._abort_all(streams)  # the caller stopped reading early
             self._current_request = ""
             self._lock.release()
 
-    def _read(self, r: RankHandle, stream, watch: GenerationWatch, events: queue.Queue) -> None:
-        result = watch.results.setdefault(r.rank, RankResult())
-        r.state = "busy"
-        try:
-            for event in stream:
-                which = event.WhichOneof("event")
-                if which == "prefill":
-                    events.put(RankPrefilled(r.rank, event.prefill.ms))
-                if which == "done":
-                    result.done = _rank_done(event.done)
-                elif r.rank == 0:
-                    if which == "prefill":
-                        watch.phase = "decode"
-                    elif which == "progress":
-                        watch.layer = event.progress.layer
-                    elif which == "token":
-                        watch.tokens += 1
-                    events.put(_event(event))
-            r.state = "ready"
-        except grpc.RpcError as e:
-            code = e.code()
-            if code == grpc.StatusCode.CANCELLED and watch.failure:
-                r.state = "failed" if r.state == "failed" else "ready"
-            elif code == grpc.StatusCode.ABORTED:  # its ring link broke: the culprit may be a neighbour
-                r.state = "ready"
-                events.put(LinkBroke(r, e))
-            else:
-                watch.refused = watch.refused or code == grpc.StatusCode.INVALID_ARGUMENT
-                gone = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                r.state = "failed" if gone else "ready"
-                result.error = self._describe(r, e, self._phase(watch))
-                events.put(RankFailed(result.error))
-        finally:
-            events.put(StreamEnded(r.rank))
-
-    def _blame(self, reporter: RankHandle, error: grpc.RpcError, watch: GenerationWatch) -> str:
-        """A rank reported a broken ring link: name the rank that no longer answers, if any."""
-        failed = self.unanswering()
-        if failed:
-            r, e = failed[0]
-            r.state = "failed"
-            return self._describe(r, e, self._phase(watch))
-        return self._describe(reporter, error, self._phase(watch))
-
-    def _phase(self, watch: GenerationWatch) -> str:
-        if watch.phase == "prefill" and watch.layer:
-            return f"prefill, layer {watch.layer}"
-        if watch.phase == "decode":
-            return f"decode, token {watch.tokens + 1}"
-        return watch.phase
-
-    def _monitor(self, watch: GenerationWatch, finished: threading.Event, events: queue.Queue) -> None:
-        """Follow every rank's heartbeat while the generation runs: a rank whose beats stop for
-        SILENCE_S, or whose stream breaks, is named; one that is only slow keeps beating."""
-        request = pb.HeartbeatRequest(interval_s=BEAT_INTERVAL_S)
-        calls = [r.control.Heartbeat(request, metadata=self.metadata) for r in self.ranks]
-        heard = {r.rank: time.monotonic() for r in self.ranks}
-        lost: queue.Queue = queue.Queue()
-
-        def follow(r: RankHandle, call) -> None:
-            try:
-                for _ in call:
-                    heard[r.rank] = time.monotonic()
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.CANCELLED:
-                    lost.put((r, e))
-
-        followers = [threading.Thread(target=follow, args=rc, daemon=True)
-                     for rc in zip(self.ranks, calls, strict=True)]
-        for t in followers:
-            t.start()
-        try:
-            while not finished.wait(BEAT_INTERVAL_S / 2):
-                silent = [r for r in self.ranks if time.monotonic() - heard[r.rank] > SILENCE_S]
-                if not lost.empty() or silent:
-                    r, e = lost.get() if not lost.empty() else (silent[0], None)
-                    r.state = "failed"
-                    where = self._phase(watch)
-                    events.put(RankFailed(self._describe(r, e, where) if e else
-                                          f"{r.label} stopped answering during {where}"))
-                    return
-        finally:
-            for call in calls:
-                call.cancel()
-            for t in followers:
-                t.join()
-
-    def _abort_all(self, streams) -> None:
-        """Stop the request on every rank (their KV rolls back). Waits only for the survivors'
-        answers, so that a Configure right after finds them idle or winding down."""
-        survivors = [r.state != "failed" for r in self.ranks]
-        for s in streams:
-            s.cancel()
-        request = pb.CancelRequest(request_id=self._current_request)
-        calls = [r.control.Cancel.future(request, timeout=2.0, metadata=self.metadata) for r in self.ranks]
-        for alive, call in zip(survivors, calls, strict=True):
-            if alive:
-                with contextlib.suppress(grpc.RpcError):
-                    call.result()
-
     def stats_once(self) -> list[RankStats]:
         """Every rank's stats now, in rank order."""
-        return self._each(lambda r: _rank_stats(r, next(iter(r.control.Stats(
+        return self._each(lambda r: rank_stats(r, next(iter(r.control.Stats(
             pb.StatsRequest(once=True), timeout=10, metadata=self.metadata)))))
 
     def stats(self, interval_s: float = 0.25, stop: threading.Event | None = None) -> Iterator[RankStats]:
         """Merge the ranks' stats streams into RankStats snapshots; ends when every stream does
         (on close(), or once `stop` is set: that cancels the streams of a cluster that stays open)."""
-        out: queue.Queue = queue.Queue()
-        stop = stop or threading.Event()
-        calls: list[grpc.Future] = []
-
-        def follow(r: RankHandle) -> None:
-            try:
-                call = r.control.Stats(pb.StatsRequest(interval_s=interval_s), metadata=self.metadata)
-                calls.append(call)
-                if stop.is_set():
-                    call.cancel()
-                for s in call:
-                    out.put(_rank_stats(r, s))
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.CANCELLED:
-                    r.state = "failed"
-                    out.put(RankStats(r.rank, r.address, "failed", error=self._describe(r, e)))
-            out.put(None)
-
-        def cancel_on_stop() -> None:
-            while not (stop.wait(0.2) or self._closed.is_set()):
-                pass
-            for call in list(calls):
-                call.cancel()
-
-        # close() joins these: no thread may still be inside gRPC when the interpreter exits.
-        threads = [threading.Thread(target=follow, args=(r,), daemon=True) for r in self.ranks]
-        threads.append(threading.Thread(target=cancel_on_stop, daemon=True))
-        self._stats_threads += threads
-        for t in threads:
-            t.start()
-        open_streams = len(self.ranks)
-        while open_streams:
-            item = out.get()
-            if item is None:
-                open_streams -= 1
-                continue
-            yield item
-
-
-def _request(g: GenerationRequest) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        request_id=g.request_id or uuid.uuid4().hex, keep_tokens=g.keep_tokens, tokens=g.tokens,
-        algorithm=pb.Algorithm.Value(BY_NAME[g.algorithm].wire), max_tokens=g.max_tokens,
-        sampling=pb.Sampling(temperature=g.temperature, top_p=g.top_p, seed=g.seed,
-                             top_logprobs=g.top_logprobs),
-        stop_tokens=g.stop_tokens, decode=pb.Decode.Value(BY_NAME[g.decode].wire), save_prefix=g.save_prefix,
-        keep_state_at=g.keep_state_at, shares=g.shares,
-    )
-
-
-def _event(e: pb.GenerateEvent) -> GenerationEvent:
-    which = e.WhichOneof("event")
-    if which == "progress":
-        return LayerDone(e.progress.layer, e.progress.num_layers)
-    if which == "prefill":
-        return PrefillDone(e.prefill.ms, e.prefill.linear_layers, e.prefill.state_combine_ms)
-    top = tuple(zip(e.token.top_ids, e.token.top_logprobs, strict=True))
-    return TokenOut(e.token.id, e.token.logprob, top)
-
-
-def _rank_done(d: pb.GenerateDone) -> RankDone:
-    return RankDone(d.kv_tokens, d.kv_bytes, d.rss_bytes, d.cached_tokens, d.cancelled, d.keep_floor,
-                    d.state_bytes, tuple(d.state_positions))
-
-
-def _rank_stats(r: RankHandle, s: pb.RankStats) -> RankStats:
-    return RankStats(
-        rank=r.rank, address=r.address, state=s.state, kv_tokens=s.kv_tokens, kv_bytes=s.kv_bytes,
-        rss_bytes=s.rss_bytes, mlx_active_bytes=s.mlx_active_bytes, mlx_peak_bytes=s.mlx_peak_bytes,
-        peak_rss_bytes=s.peak_rss_bytes, data_plane_bytes_sent=s.data_plane_bytes_sent,
-        state_bytes=s.state_bytes, algorithm=s.algorithm, blas=r.blas_label,
-        slow_blas=r.slow_blas, threads=r.blas.threads,
-        ring_steps=[RingStep(t.layer, t.step, t.compute_ms, t.wait_ms, t.bytes_sent) for t in s.ring_steps],
-    )
+        return merged_stats(self.ranks, self.metadata, self._describe, interval_s, stop or threading.Event(),
+                            self._closed, self._stats_threads)

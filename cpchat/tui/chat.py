@@ -21,11 +21,12 @@ from textual.reactive import reactive, var
 from textual.screen import Screen
 from textual.widgets import Footer, Header
 
-from cpchat.client.cluster import Cluster, ServedModel
+from cpchat.client.cluster import Cluster
 from cpchat.client.connect import ClusterOptions
 from cpchat.client.documents import Document
 from cpchat.client.frontend import Frontend
 from cpchat.client.models import local_models, model_dirs
+from cpchat.client.ranks import ServedModel
 from cpchat.client.session import Message as SessionMessage
 from cpchat.client.session import Turn
 from cpchat.client.settings import Settings, bundled

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
-from cpchat.client.cluster import ServedModel
 from cpchat.client.events import AlgorithmChoice, Done, Prefill, RankStats
 from cpchat.client.memory import MemoryShortfall
+from cpchat.client.ranks import ServedModel
 from cpchat.client.session import Turn
 
 

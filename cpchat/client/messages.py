@@ -1,0 +1,55 @@
+"""The ranks' protobuf messages as the front end's own dataclasses, and back."""
+
+from __future__ import annotations
+
+import uuid
+
+from cpchat.client.events import RankStats, RingStep
+from cpchat.client.generation import (
+    GenerationEvent,
+    GenerationRequest,
+    LayerDone,
+    PrefillDone,
+    RankDone,
+    TokenOut,
+)
+from cpchat.client.ranks import RankHandle
+from cpchat.core.algorithms import BY_NAME
+from cpchat.protocol import cpchat_pb2 as pb
+
+
+def generate_request(g: GenerationRequest) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=g.request_id or uuid.uuid4().hex, keep_tokens=g.keep_tokens, tokens=g.tokens,
+        algorithm=pb.Algorithm.Value(BY_NAME[g.algorithm].wire), max_tokens=g.max_tokens,
+        sampling=pb.Sampling(temperature=g.temperature, top_p=g.top_p, seed=g.seed,
+                             top_logprobs=g.top_logprobs),
+        stop_tokens=g.stop_tokens, decode=pb.Decode.Value(BY_NAME[g.decode].wire), save_prefix=g.save_prefix,
+        keep_state_at=g.keep_state_at, shares=g.shares,
+    )
+
+
+def generation_event(e: pb.GenerateEvent) -> GenerationEvent:
+    which = e.WhichOneof("event")
+    if which == "progress":
+        return LayerDone(e.progress.layer, e.progress.num_layers)
+    if which == "prefill":
+        return PrefillDone(e.prefill.ms, e.prefill.linear_layers, e.prefill.state_combine_ms)
+    top = tuple(zip(e.token.top_ids, e.token.top_logprobs, strict=True))
+    return TokenOut(e.token.id, e.token.logprob, top)
+
+
+def rank_done(d: pb.GenerateDone) -> RankDone:
+    return RankDone(d.kv_tokens, d.kv_bytes, d.rss_bytes, d.cached_tokens, d.cancelled, d.keep_floor,
+                    d.state_bytes, tuple(d.state_positions))
+
+
+def rank_stats(r: RankHandle, s: pb.RankStats) -> RankStats:
+    return RankStats(
+        rank=r.rank, address=r.address, state=s.state, kv_tokens=s.kv_tokens, kv_bytes=s.kv_bytes,
+        rss_bytes=s.rss_bytes, mlx_active_bytes=s.mlx_active_bytes, mlx_peak_bytes=s.mlx_peak_bytes,
+        peak_rss_bytes=s.peak_rss_bytes, data_plane_bytes_sent=s.data_plane_bytes_sent,
+        state_bytes=s.state_bytes, algorithm=s.algorithm, blas=r.blas_label,
+        slow_blas=r.slow_blas, threads=r.blas.threads,
+        ring_steps=[RingStep(t.layer, t.step, t.compute_ms, t.wait_ms, t.bytes_sent) for t in s.ring_steps],
+    )
