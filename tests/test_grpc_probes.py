@@ -16,7 +16,7 @@ from cpchat.client.cluster import Cluster
 from cpchat.errors import BadInput
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol.channel import TOKEN_HEADER
-from cpchat.rank.server import serving
+from cpchat.rank.state import serving
 
 TOKEN = "s3cret-cluster-token"
 AUTH = ((TOKEN_HEADER, TOKEN),)
