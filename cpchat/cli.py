@@ -139,6 +139,7 @@ def run_plan(argv: list[str]) -> int:
     """`cpchat plan`: launch or attach the ranks, load the model, and print what the context needs."""
     from cpchat.client.frontend import Frontend
     from cpchat.client.plan import make_plan, plan_lines
+    from cpchat.client.planner import Planner
     from cpchat.client.settings import resolve_settings
     from cpchat.errors import BackendError
 
@@ -149,8 +150,8 @@ def run_plan(argv: list[str]) -> int:
         settings = resolve_settings(args)
         front = Frontend(settings, cluster_options(args), say=lambda line: print(line, file=sys.stderr))
         front.start(lambda phase, done, total: None)
-        session = front.session_for([])
-        plan = make_plan(session, args.context, settings.max_tokens)
+        planner = Planner(front.cluster, settings.algorithm, shares=settings.shares)
+        plan = make_plan(planner, args.context, settings.max_tokens)
         for line in plan_lines(plan, settings.model or "the demo model"):
             print(line)
         return 1 if plan.refusal else EXIT_OK

@@ -54,7 +54,7 @@ def test_turns_through_mx_distributed_and_a_re_formed_ring(clusters, model_dir):
     session = raw_session(cluster, path, "pass_kv", 6)
     history: list[int] = []
     for turn, (algorithm, length) in enumerate(zip(ALGORITHMS, (300, 41, 90, 1, 17), strict=True)):
-        session.algorithm = algorithm
+        session.planner.algorithm = algorithm
         new = random_prompt(path, length, seed=300 + turn)
         tokens, _ = next_turn(session, new)
         history += new

@@ -141,7 +141,7 @@ def test_turns_mix_every_algorithm(clusters, model_dir, ranks):
     session = raw_session(cluster, path, "pass_kv", 6)
     history: list[int] = []
     for turn, (algorithm, length) in enumerate(zip(ALGORITHMS[:4], (300, 41, 90, 1), strict=True)):
-        session.algorithm = algorithm
+        session.planner.algorithm = algorithm
         new = random_prompt(path, length, seed=200 + turn)
         tokens, events = next_turn(session, new)
         history += new
@@ -166,7 +166,7 @@ def test_every_decode_step_gives_mlx_lms_tokens(clusters, model_dir, ranks):
     for decode, steps in steps_of.items():
         cluster.reset(0)
         session = raw_session(cluster, path, "pass_kv", MAX_TOKENS)
-        session.decode = decode
+        session.planner.decode = decode
         tokens, events = next_turn(session, ids)
         assert_same(tokens, expected)
         stats = cluster.stats_once()
@@ -176,12 +176,13 @@ def test_every_decode_step_gives_mlx_lms_tokens(clusters, model_dir, ranks):
     assert all(h == held[0] for h in held)  # new tokens' K/V kept round the ranks, however the step ran
     cluster.reset(0)
     session = raw_session(cluster, path, "pass_kv", MAX_TOKENS)  # decode "auto": the cost model's pick
-    assert session.decode_exchange(len(ids)) == "gather"  # every rank of this cluster shares this machine
-    per_token = kv_bytes_per_token(session.workload(1, len(ids)))
+    planner = session.planner
+    assert planner.decode_exchange(len(ids)) == "gather"  # every rank of this cluster shares this machine
+    per_token = kv_bytes_per_token(planner.workload(1, len(ids)))
     too_long = cluster.free_memory()[0] // int(per_token)  # an answer whose copy rank 0 could not hold
-    assert session.decode_exchange(len(ids), too_long) == "lead"
+    assert planner.decode_exchange(len(ids), too_long) == "lead"
     assert_same(next_turn(session, ids)[0], expected)
-    assert {s.algorithm for s in cluster.stats_once()} == {f"decode_{session.decode_exchange(len(ids))}"}
+    assert {s.algorithm for s in cluster.stats_once()} == {f"decode_{planner.decode_exchange(len(ids))}"}
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -67,7 +67,7 @@ def test_follow_up_turns_in_low_precision(clusters, checkpoint, form):
                                       add_special_tokens=False) for q in questions]
     history: list[int] = []
     for new, algorithm in zip(turns, ("all_gather", "ulysses", "auto"), strict=True):
-        session.algorithm = algorithm
+        session.planner.algorithm = algorithm
         got, _ = next_turn(session, new)
         history += new
         assert_within_noise(path, history, got)

@@ -126,7 +126,7 @@ def test_ranks_report_free_memory_under_their_limit_and_a_forwards_cost(limited)
 def too_long(cluster: Cluster, session) -> int:
     """A prompt length some rank cannot hold: the need model's, from what the ranks report."""
     tokens = 1000
-    while session.memory_shortfall(tokens, 0, "pass_kv", 4) is None:
+    while session.planner.memory_shortfall(tokens, 0, "pass_kv", 4) is None:
         tokens *= 2
     return tokens
 
@@ -166,14 +166,14 @@ def test_auto_shares_give_the_rank_with_room_the_tokens_the_other_cannot_hold(un
     path = model_dir("llama")
     equal = raw_session(uneven, path, "pass_kv", max_tokens=4, shares="equal")
     tokens = too_long(uneven, equal)
-    refused = equal.memory_shortfall(tokens, 0, "pass_kv", 4)
+    refused = equal.planner.memory_shortfall(tokens, 0, "pass_kv", 4)
     assert refused.need.rank == 0 and refused.roomy is not None and refused.roomy[1] > 2 * refused.roomy[0]
     assert max(refused.roomy) <= 16, "small integers a person can type"
     assert f"--shares {refused.roomy[0]},{refused.roomy[1]} would hold it" in str(refused)
     auto = raw_session(uneven, path, "pass_kv", max_tokens=4)
-    shares = auto.prefill_shares(tokens, 0, "pass_kv", 4)  # free memory read again: may round otherwise
+    shares = auto.planner.prefill_shares(tokens, 0, "pass_kv", 4)  # free memory read again: may round
     assert shares is not None and shares[1] > 2 * shares[0] and max(shares) <= 16
-    roomy = replace(auto.workload(tokens, 0), shares=shares)
+    roomy = replace(auto.planner.workload(tokens, 0), shares=shares)
     assert shortfall(roomy, "pass_kv", uneven.forward_memory, uneven.free_memory(), 4, ["r", "r"]) is None
 
 
@@ -235,12 +235,12 @@ def test_cpchat_plan_prints_a_line_per_rank_and_whether_it_fits(model_dir):
 def test_a_plan_past_a_ranks_memory_says_so(limited, model_dir):
     session = raw_session(limited, model_dir("llama"), "auto", max_tokens=16)
     tokens = too_long(limited, session)
-    plan = make_plan(session, tokens, 16)
+    plan = make_plan(session.planner, tokens, 16)
     assert not all(r.fits for r in plan.ranks)
     assert plan.refusal.startswith("rank ") and " needs " in plan.refusal
     lines = plan_lines(plan, "llama")
     assert lines[-1] == f"does not fit: {plan.refusal}"
-    fitting = make_plan(session, 1000, 16)
+    fitting = make_plan(session.planner, 1000, 16)
     assert all(r.fits for r in fitting.ranks) and not fitting.refusal
     # K/V scale with the context; the weights do not
     assert plan.ranks[0].kv_bytes > 10 * fitting.ranks[0].kv_bytes
@@ -256,9 +256,10 @@ def test_a_gather_plan_counts_the_other_ranks_kv_on_rank_0(clusters, model_dir):
     context, answer = 100, 1_000_000
     plans = {}
     for decode in ("lead", "gather"):
-        session.decode = decode
-        plans[decode] = make_plan(session, context, answer)
-    copy = (context // 2 + answer) * kv_bytes_per_token(session.workload(context, 0))  # rank 1 holds half
+        session.planner.decode = decode
+        plans[decode] = make_plan(session.planner, context, answer)
+    # rank 1 holds half
+    copy = (context // 2 + answer) * kv_bytes_per_token(session.planner.workload(context, 0))
     assert copy > 100 << 20
     assert plans["gather"].ranks[0].peak_bytes - plans["lead"].ranks[0].peak_bytes > 0.8 * copy
     assert abs(plans["gather"].ranks[1].peak_bytes - plans["lead"].ranks[1].peak_bytes) < 0.1 * copy

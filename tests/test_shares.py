@@ -60,7 +60,7 @@ def test_every_decode_step_keeps_the_answer_in_the_shares(clusters, model_dir, d
     cluster.reset(0)
     ids = random_prompt(path, 61, seed=3)
     session = raw_session(cluster, path, "pass_kv", 40, shares="1,3")
-    session.decode = decode
+    session.planner.decode = decode
     tokens, events = next_turn(session, ids)
     assert_same(tokens, reference_generate(path, ids, 40))
     done = done_event(events)
@@ -70,7 +70,7 @@ def test_every_decode_step_keeps_the_answer_in_the_shares(clusters, model_dir, d
     assert sum(answered) == answer and abs(answered[1] - 3 * answered[0]) <= 3
 
     history = ids + [t for t, _ in tokens]
-    session.shares = (2, 1)
+    session.planner.shares = (2, 1)
     follow = random_prompt(path, 29, seed=4)
     tokens, events = next_turn(session, follow)
     assert_same(tokens, reference_generate(path, history + follow, 40))
@@ -96,18 +96,18 @@ def test_auto_shares_follow_the_measured_speeds(clusters, model_dir):
     path = model_dir("llama")
     cluster = clusters.get(2, path)
     session = raw_session(cluster, path, "pass_kv", 1)
-    assert cluster.equally_fast and session.shares_for(8192, 0) is None
+    assert cluster.equally_fast and session.planner.shares_for(8192, 0) is None
     try:
         with cpu_quota(cluster.ranks[1].local.process.pid, 0.5):
             cluster.load(str(path))
             assert [r.cpu_allowance for r in cluster.ranks] == [blas.usable_cores(), 0.5]
             assert not cluster.equally_fast
-            shares = session.shares_for(8192, 0)
+            shares = session.planner.shares_for(8192, 0)
             assert shares is not None and shares[0] > shares[1]  # how much: `cpchat bench --shares`
             costs = cluster.rank_costs
             equal, auto = (max(rank_seconds(costs, 8192, 0, 2, s)) for s in (None, shares))
             assert auto < equal
-            assert session.workload(8192, 0).shares == shares  # the memory check sees the same shares
+            assert session.planner.workload(8192, 0).shares == shares  # the memory check sees the same shares
     except BenchUsageError as e:
         pytest.skip(str(e))  # no CPU cgroup to create (not root, or not Linux)
     finally:

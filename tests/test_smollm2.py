@@ -144,7 +144,7 @@ def test_a_conversation_about_a_document_prefills_only_its_new_turns(clusters, s
                                 ("auto", "What does the wheel link?")):
         if question:
             new = follow_up(tokenizer, question)
-        session.algorithm = algorithm
+        session.planner.algorithm = algorithm
         got, events = next_turn(session, new)
         # the new turn, and the answer's last token where the answer stopped at MAX_TOKENS (never read yet)
         assert prefill_event(events).new_tokens in (len(new), len(new) + 1)

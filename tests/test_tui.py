@@ -544,7 +544,7 @@ async def test_palette_actions(make_app):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await run_palette(pilot, "Algorithm: pass_q")
-        assert app.chat.backend.session.algorithm == "pass_q"
+        assert app.chat.backend.session.planner.algorithm == "pass_q"
         await send(pilot, "First question")
         assert app.query_one(BigText).text == "pass_q" and app.chat.backend.session.last_choice.forced
         await run_palette(pilot, "Export transcript")

@@ -28,6 +28,7 @@ from cpchat.bench.models import in_form, random_model, source_model
 from cpchat.checkpoints import CheckpointError
 from cpchat.client.cluster import Cluster
 from cpchat.client.events import AlgorithmChoice, Done, Prefill
+from cpchat.client.planner import Planner
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.core.algorithms import DECODE_EXCHANGES, PREFILL_ALGORITHMS, title
 from cpchat.core.heuristics import decode_estimates
@@ -272,7 +273,7 @@ def prefill_cell(cluster: Cluster, tokenizer, variant: Variant, context: int, al
                  repeats: int) -> PrefillCell:
     ids = prompt_ids(cluster.model.vocab_size, context)
     cell = PrefillCell(variant, cluster.size, context)
-    choice = Session(cluster, tokenizer, raw=True, algorithm="auto").choose_algorithm(context, 0)
+    choice = Planner(cluster).choose_algorithm(context, 0)
     cell.auto_pick, cell.auto_reason, cell.estimates_ms = choice.algorithm, choice.reason, choice.estimates_ms
     for _ in range(repeats):  # each repeat runs every algorithm once, so drift falls on all alike
         for algorithm in algorithms:
@@ -295,7 +296,7 @@ def decode_row(cluster: Cluster, tokenizer, variant: Variant, context: int, exch
         return Session(cluster, tokenizer, raw=True, algorithm="pass_kv", decode=exchange,
                        sampling=SamplingOptions(max_tokens=args.decode, temperature=0.0))
 
-    probe = session()
+    probe = Planner(cluster, "pass_kv", exchange)
     estimate = decode_estimates(probe.workload(1, context), probe.measured())[exchange]
     row = DecodeRow(variant, cluster.size, context, exchange, estimate_ms=round(1000 * estimate, 3))
     for _ in range(args.repeats):

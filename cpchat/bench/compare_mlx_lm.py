@@ -29,6 +29,7 @@ from cpchat.client.cluster import TRANSPORTS, Cluster
 from cpchat.client.events import Done, Prefill
 from cpchat.client.launcher import rank_environment
 from cpchat.client.plan import make_plan
+from cpchat.client.planner import Planner
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.core.quantized_kv import BITS, FULL_PRECISION, KVFormat
 
@@ -218,7 +219,7 @@ def run_cpchat(model: str, clusters: list[tuple[int, str]], contexts: list[int],
 def _planned_row(c: Contestant, tokenizer, context: int, args) -> Row:
     """A cluster's row for one context, with what `cpchat plan` predicts before the runs."""
     c.cluster.reset(0)
-    plan = make_plan(Session(c.cluster, tokenizer, raw=True, algorithm=args.algorithm), context, args.decode)
+    plan = make_plan(Planner(c.cluster, args.algorithm), context, args.decode)
     return Row(c.system, c.n, context, blas=" / ".join(sorted({r.blas_label for r in c.cluster.ranks})),
                kv_bits=c.cluster.model.kv_format.bits, threads=min(r.blas.threads for r in c.cluster.ranks),
                estimate_s=plan.ttft_s, peak_estimate_bytes=max(r.peak_bytes for r in plan.ranks),

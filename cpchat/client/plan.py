@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from cpchat.client.events import RankStats
 from cpchat.client.memory import shortfall
-from cpchat.client.session import Session
+from cpchat.client.planner import Planner
 from cpchat.core.estimate import rank_seconds
 from cpchat.core.heuristics import decode_estimates, transfer_seconds
 from cpchat.core.memory import gather_bytes, kv_bytes_per_token, prefill_needs
@@ -51,11 +51,11 @@ class Plan:
     max_context: int = 0  # the model's (0: unknown)
 
 
-def make_plan(session: Session, context: int, answer_tokens: int) -> Plan:
-    """The plan for a prompt of `context` tokens (and an answer of `answer_tokens`) on the session's ranks."""
-    cluster = session.cluster
-    w = session.workload(context, 0)
-    algorithm = session.choose_algorithm(context, 0).algorithm
+def make_plan(planner: Planner, context: int, answer_tokens: int) -> Plan:
+    """The plan for a prompt of `context` tokens (and an answer of `answer_tokens`) on the planner's ranks."""
+    cluster = planner.cluster
+    w = planner.workload(context, 0)
+    algorithm = planner.choose_algorithm(context, 0).algorithm
     free = cluster.free_memory()
     needs = prefill_needs(w, algorithm, cluster.forward_memory, free, answer_tokens)
     stats = cluster.stats_once()
@@ -64,7 +64,7 @@ def make_plan(session: Session, context: int, answer_tokens: int) -> Plan:
     ranks = [RankPlan(r.label, cluster.model.weight_bytes, (t + a) * kv_bytes_per_token(w),
                       _peak(r.computes_on_cpu, s, n.total), n.total, n.free_bytes, t)
              for r, s, n, t, a in zip(cluster.ranks, stats, needs, held, answer, strict=True)]
-    decode_step = session.decode_exchange(context, answer_tokens)
+    decode_step = planner.decode_exchange(context, answer_tokens)
     if decode_step == "gather":  # rank 0 also holds every other rank's K/V while it answers
         copy = gather_bytes(w, context, answer_tokens)
         r0 = ranks[0]
@@ -72,12 +72,12 @@ def make_plan(session: Session, context: int, answer_tokens: int) -> Plan:
     cost = cluster.prefill_cost
     ttft = decode = None
     if cost is not None and cost.per_token_s:
-        measured = session.measured()
+        measured = planner.measured()
         ttft = max(rank_seconds(cluster.rank_costs, context, 0, cluster.model.groups, w.shares))
         ttft += transfer_seconds(w, measured, algorithm)
         attending = 1 if decode_step == "gather" else cluster.size  # ranks the keys are split between
         step = cost.step_s + cost.per_pair_s * context / attending
-        step += decode_estimates(session.workload(1, context), measured)[decode_step]
+        step += decode_estimates(planner.workload(1, context), measured)[decode_step]
         decode = 1 / step
     labels = [r.label for r in cluster.ranks]
     refused = shortfall(w, algorithm, cluster.forward_memory, free, answer_tokens, labels)

@@ -23,13 +23,10 @@ from cpchat.client.events import (
     Token,
 )
 from cpchat.client.generation import GenerationDone, GenerationRequest, LayerDone, PrefillDone, TokenOut
-from cpchat.client.memory import MemoryShortfall, shortfall
+from cpchat.client.memory import MemoryShortfall
+from cpchat.client.planner import Planner
 from cpchat.client.prefixes import MIN_GAIN, PrefixChoice, PrefixGone, choose_prefix
-from cpchat.client.settings import parse_shares
-from cpchat.core.estimate import balanced_shares, rank_seconds
-from cpchat.core.heuristics import GATHER_SHARE, Measured, Workload, choose_algorithm, choose_decode
-from cpchat.core.memory import gather_bytes
-from cpchat.core.sharding import Shares, rank_tokens
+from cpchat.core.sharding import rank_tokens
 from cpchat.errors import BadInput
 
 Event = CacheLoaded | Prefill | Progress | Token | Done
@@ -112,15 +109,9 @@ class Session:
         self.prefix_cache = prefix_cache
         self.save_min_tokens = SAVE_MIN_TOKENS
         self.saved = 0  # of the tokens the ring holds, how many begin a prefix saved on its disks
-        self.algorithm = algorithm
-        # How decode steps run: "exchange" (partial outputs in one step), "ring", "lead" (rank 0 runs
-        # the model, the others attend its queries), or "auto" (the cost model's choice).
-        self.decode = decode
-        # Each rank's share of a prompt: "auto" (what evens out the ranks' measured prefill times),
-        # "equal", or weights "W1,W2,..." (cpchat.core.sharding).
-        self.shares = parse_shares(shares)
-        if isinstance(self.shares, tuple) and len(self.shares) != cluster.size:
-            raise BadInput(f"--shares {shares} gives {len(self.shares)} weights for {cluster.size} ranks")
+        # The prefill algorithm, the decode step ("exchange", "ring", "lead", "gather"; or "auto") and
+        # each rank's share of a prompt, chosen from the ranks' measurements.
+        self.planner = Planner(cluster, algorithm, decode, shares)
         self.sampling = sampling or SamplingOptions()
         self.messages: list[Message] = []
         self.raw_history: list[int] = []  # --raw: every prompt and generated token so far
@@ -171,7 +162,8 @@ class Session:
             return 0, 0, None
         held = min(common_prefix(self.held, tokens), len(tokens))
         saved = self.saved_tokens(tokens, len(tokens), held)
-        return len(tokens), saved, self._prefill_seconds(tokens, max(held, saved))
+        keep = max(held, saved)
+        return len(tokens), saved, self.planner.prefill_seconds(len(tokens) - keep, keep)
 
     def saved_tokens(self, tokens: list[int], limit: int, keep: int) -> int:
         """How many of `tokens` (at most `limit`) the ranks would load from their disks, the ring
@@ -196,44 +188,7 @@ class Session:
         what they hold or have saved on disk. Blocks on the ranks: not for the event loop."""
         keep = self._kept(turn.tokens)
         keep = max(keep, self.saved_tokens(turn.tokens, len(turn.tokens) - 1, keep))
-        return self._prefill_seconds(turn.tokens, keep)
-
-    def _prefill_seconds(self, tokens: list[int], keep: int) -> float | None:
-        c, new = self.cluster, len(tokens) - keep
-        if not c.rank_costs or not all(cost.per_token_s for cost in c.rank_costs):
-            return None
-        return max(rank_seconds(c.rank_costs, new, keep, c.model.groups, self.shares_for(new, keep)))
-
-    def shares_for(self, new_tokens: int, cached_tokens: int) -> Shares | None:
-        """Each rank's share of a prefill of `new_tokens` (None: equal ones)."""
-        c = self.cluster
-        if isinstance(self.shares, tuple):
-            return self.shares
-        if self.shares == "equal" or c.equally_fast or not all(x.per_token_s for x in c.rank_costs):
-            return None
-        return balanced_shares(c.rank_costs, new_tokens, cached_tokens, c.model.groups)
-
-    def memory_shortfall(self, new_tokens: int, cached_tokens: int, algorithm: str, answer_tokens: int
-                         ) -> MemoryShortfall | None:
-        """Why some rank cannot hold this prefill and its answer, from what the ranks report free now;
-        None when all can. Blocks on the ranks: not for the event loop."""
-        c = self.cluster
-        if not any(f.fixed_bytes or f.per_token_bytes for f in c.forward_memory):
-            return None  # ranks of a cpchat before the check measure no forward's memory
-        return shortfall(self.workload(new_tokens, cached_tokens), algorithm, c.forward_memory,
-                         c.free_memory(), answer_tokens, [r.label for r in c.ranks])
-
-    def prefill_shares(self, new_tokens: int, cached_tokens: int, algorithm: str, answer_tokens: int
-                       ) -> Shares | None:
-        """The shares a prefill runs in: shares_for's, or under auto, where some rank cannot hold its
-        share, shares in proportion to the ranks' free memory if those hold it. Raises MemoryShortfall
-        when neither does. Blocks on the ranks: not for the event loop."""
-        refused = self.memory_shortfall(new_tokens, cached_tokens, algorithm, answer_tokens)
-        if refused is None:
-            return self.shares_for(new_tokens, cached_tokens)
-        if self.shares == "auto" and refused.roomy is not None:
-            return refused.roomy
-        raise refused
+        return self.planner.prefill_seconds(len(turn.tokens) - keep, keep)
 
     def turn_shortfall(self, turn: Turn) -> MemoryShortfall | None:
         """The memory check `run` makes, for a turn before it is sent (the TUI asks first)."""
@@ -245,55 +200,11 @@ class Session:
         keep = self._kept(tokens)
         new = len(tokens) - keep
         try:
-            algorithm = self.choose_algorithm(new, keep).algorithm
-            self.prefill_shares(new, keep, algorithm, answer_tokens)
+            algorithm = self.planner.choose_algorithm(new, keep).algorithm
+            self.planner.prefill_shares(new, keep, algorithm, answer_tokens)
         except MemoryShortfall as refused:
             return refused
         return None
-
-    def choose_algorithm(self, new_tokens: int, cached_tokens: int) -> AlgorithmChoice:
-        """The session's algorithm, or under auto the one the cost model expects to be fastest."""
-        c = self.cluster
-        choice = choose_algorithm(self.workload(new_tokens, cached_tokens), self.measured())
-        forced = self.algorithm != "auto"
-        return AlgorithmChoice(
-            algorithm=self.algorithm if forced else choice.algorithm,
-            forced=forced,
-            new_tokens=new_tokens,
-            cached_tokens=cached_tokens,
-            miss_rate=new_tokens / (new_tokens + cached_tokens),
-            estimates_ms={name: round(1000 * s, 1) for name, s in choice.estimates_s.items()},
-            reason=f"forced by --algorithm {self.algorithm}" if forced else choice.reason,
-            link_bytes_per_s=c.ring_bytes_per_s,
-            hop_latency_ms=1000 * c.hop_latency_s,
-            exchange_latency_ms=1000 * c.exchange_latency_s,
-        )
-
-    def decode_exchange(self, cached_tokens: int, answer_tokens: int = 0) -> str:
-        """The decode step's exchange for an answer after `cached_tokens`. Under auto, on one machine,
-        reads rank 0's free memory (blocks on the ranks: not for the event loop)."""
-        if self.decode != "auto":
-            return self.decode
-        w, m = self.workload(1, cached_tokens), self.measured()
-        copy_fits = False
-        if w.ranks > 1 and m.one_machine and not w.states:
-            copy = gather_bytes(w, cached_tokens, answer_tokens)
-            copy_fits = copy * GATHER_SHARE <= self.cluster.free_memory()[0]
-        return choose_decode(w, m, copy_fits)
-
-    def workload(self, new_tokens: int, cached_tokens: int) -> Workload:
-        m = self.cluster.model
-        head_dim = m.head_dim or 64  # ranks older than the field: the model's own sizes are unknown
-        return Workload(new_tokens, cached_tokens, self.cluster.size, m.num_q_heads, m.num_kv_heads,
-                        head_dim, m.value_dim or head_dim, m.bytes_per_element,
-                        max(m.attention_layers, 1), m.kv_format, states=m.state_layers > 0,
-                        shares=self.shares_for(new_tokens, cached_tokens))
-
-    def measured(self) -> Measured:
-        c = self.cluster
-        per_pair = c.prefill_cost.per_pair_s if c.prefill_cost and c.prefill_cost.per_pair_s else 1e-9
-        return Measured(per_pair, max(min(c.ring_bytes_per_s, 1e15), 1.0), c.hop_latency_s,
-                        c.exchange_latency_s, overlap=c.spare_cores, one_machine=c.one_machine)
 
     # ---- a turn
 
@@ -321,7 +232,7 @@ class Session:
 
     def attach(self, cluster: Cluster) -> None:
         """Continue on another cluster (e.g. relaunched ranks): the next turn re-prefills everything."""
-        self.cluster = cluster
+        self.cluster = self.planner.cluster = cluster
         self.held = []
         self.keep_floor = self.saved = 0
         self.state_positions = []
@@ -397,16 +308,16 @@ class Session:
             yield CacheLoaded(self.turn_index, keep, load_ms, loaded.resharded(self.cluster.size))
         self.saved = min(self.saved, keep)  # a rewritten conversation no longer begins like its save
         new = full[keep:]
-        choice = self.choose_algorithm(len(new), keep)
+        choice = self.planner.choose_algorithm(len(new), keep)
         answer_tokens = self.sampling.max_tokens if max_tokens is None else max_tokens
-        shares = self.prefill_shares(len(new), keep, choice.algorithm, answer_tokens)
+        shares = self.planner.prefill_shares(len(new), keep, choice.algorithm, answer_tokens)
         self.last_choice = choice
         seed = self.sampling.seed if self.sampling.seed is not None else random.getrandbits(32)
         linear = self.cluster.model.state_layers  # their states cannot be cut back: keep one at documents_end
         request = GenerationRequest(
             tokens=new, keep_tokens=keep,
             max_tokens=answer_tokens,
-            algorithm=choice.algorithm, decode=self.decode_exchange(len(full), answer_tokens),
+            algorithm=choice.algorithm, decode=self.planner.decode_exchange(len(full), answer_tokens),
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed,
             stop_tokens=[] if self.sampling.ignore_eos else sorted(self.tokenizer.eos_token_ids),
             save_prefix=self.prefix_cache and len(full) - self.saved >= self.save_min_tokens,

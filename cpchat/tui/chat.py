@@ -443,7 +443,7 @@ class ChatScreen(Screen):
             return
         self.settings = replace(self.settings, algorithm=algorithm)
         if self.backend.session is not None:
-            self.backend.session.algorithm = algorithm
+            self.backend.session.planner.algorithm = algorithm
         self.side.ring.mode = algorithm
         self.notify(f"Ring algorithm: {algorithm}")
 
