@@ -121,7 +121,7 @@ async def answered(pilot: Pilot) -> None:
     await chat.show_turn(Entry("user", "Where is Orion?"))
     chat.post_message(TokensArrived("In the winter sky.", 1))
     chat.post_message(TurnFinished())
-    await until(pilot, lambda: not chat.busy and len(chat.entries) == 2, "the turn's end")
+    await until(pilot, lambda: not chat.busy and len(chat.conversation.entries) == 2, "the turn's end")
 
 
 # What each command must do, given either way.
@@ -170,7 +170,7 @@ async def clear(pilot: Pilot, run: Run, document: Path) -> None:
     await answered(pilot)
     await run("clear", "", "Clear conversation")
     await until(pilot, lambda: not pilot.app.query(ChatMessage), "an empty transcript")
-    assert pilot.app.chat.entries == [] and notified(pilot.app, "Conversation cleared.")
+    assert pilot.app.chat.conversation.entries == [] and notified(pilot.app, "Conversation cleared.")
 
 
 async def export(pilot: Pilot, run: Run, document: Path) -> None:

@@ -152,8 +152,9 @@ async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
         await send(pilot, "What does the document say?")
         assert len(app.chat.seen) > 1 and app.chat.seen == sorted(app.chat.seen), "tokens arrive one by one"
         answer = assistant_messages(app)[-1]
-        assert app.chat.entries[-1].role == "assistant" and app.chat.entries[-1].text
-        assert answer.source == app.chat.entries[-1].text
+        last = app.chat.conversation.entries[-1]
+        assert last.role == "assistant" and last.text
+        assert answer.source == last.text
         rows = list(app.query(RankRow))
         assert len(rows) == RANKS
         await until(
@@ -190,9 +191,10 @@ async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
         assert app.query_one(ChatInput).text == "What does the document say?"
         await pilot.press("down")
         assert app.query_one(ChatInput).text == ""
-    app.chat.store.flush()
-    saved = TranscriptStore.load(app.chat.store.path)
-    assert [e.role for e in saved] == ["user", "assistant"] and saved[1].text == app.chat.entries[-1].text
+    app.chat.conversation.store.flush()
+    saved = TranscriptStore.load(app.chat.conversation.store.path)
+    assert [e.role for e in saved] == ["user", "assistant"]
+    assert saved[1].text == app.chat.conversation.entries[-1].text
 
 
 async def test_ranks_on_the_reference_blas_are_flagged_with_the_fix(model, tmp_path):
@@ -297,7 +299,7 @@ async def test_a_typed_path_is_offered_for_attaching(make_app, tmp_path, monkeyp
         await answer_to(pilot, typed, "enter")
         assert messages[-2].docs == [doc.name] and messages[-2].content.endswith("What is the code?")
         assert "4812-KX" in messages[-2].content and typed not in messages[-2].content
-        assert app.chat.entries[-2].text == "What is the code?" and not chips(app)
+        assert app.chat.conversation.entries[-2].text == "What is the code?" and not chips(app)
         await answer_to(pilot, typed, "escape")
         assert messages[-2].docs == [] and messages[-2].content == typed
         await answer_to(pilot, f"{tmp_path / 'missing.txt'} What is the code?")
@@ -525,9 +527,10 @@ async def test_escape_stops_the_answer_and_keeps_it(make_app):
         await until(pilot, lambda: not app.chat.busy, timeout=20, what="the stop")
         answer = assistant_messages(app)[-1]
         assert answer.border_subtitle == "stopped"
-        assert app.chat.entries[-1].role == "assistant" and app.chat.entries[-1].text
-        assert app.chat.backend.session.messages[-1].content == app.chat.entries[-1].text
-        assert len(app.chat.backend.session.tokenizer.encode(app.chat.entries[-1].text)) < 4000
+        last = app.chat.conversation.entries[-1]
+        assert last.role == "assistant" and last.text
+        assert app.chat.backend.session.messages[-1].content == last.text
+        assert len(app.chat.backend.session.tokenizer.encode(last.text)) < 4000
 
 
 async def run_palette(pilot: Pilot, query: str) -> None:
@@ -558,7 +561,7 @@ async def test_palette_actions(make_app):
         await run_palette(pilot, "Clear conversation")
         await until(pilot, lambda: not app.query(ChatMessage), what="cleared transcript")
         assert app.query_one(Welcome).display, "the welcome is back"
-        assert app.chat.backend.session.messages == [] and app.chat.entries == []
+        assert app.chat.backend.session.messages == [] and app.chat.conversation.entries == []
         rows = list(app.query(RankRow))
         await until(pilot, lambda: all(r.stats.kv_tokens == 0 for r in rows), what="KV reset on the ranks")
         await run_palette(pilot, "Attach file")
@@ -571,14 +574,14 @@ async def test_transcript_resumes(make_app):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "Remember Orion.")
-    app.chat.store.flush()
-    again = make_app(resume=app.chat.store.path)
+    app.chat.conversation.store.flush()
+    again = make_app(resume=app.chat.conversation.store.path)
     async with again.run_test(size=SIZE) as pilot:
         await ready(pilot)
         shown = [m.role for m in again.query(ChatMessage)]
         assert shown == ["user", "assistant"]
         resumed = again.chat.backend.session.messages
-        assert [m.content for m in resumed] == [e.content for e in app.chat.entries]
+        assert [m.content for m in resumed] == [e.content for e in app.chat.conversation.entries]
         notes = again._notifications
         await until(pilot, lambda: any("the next turn re-reads it" in n.message for n in notes),
                     what="the cost of re-reading")
@@ -596,8 +599,8 @@ async def test_a_resumed_conversation_loads_its_saved_prefix(make_app, monkeypat
         app.chat.backend.session.save_min_tokens = 0
         await send(pilot, "Remember Orion, the hunter of the winter sky: his belt of three stars, his "
                           "two dogs, and the bull he faces across the river of stars.")
-    app.chat.store.flush()
-    again = make_app(resume=app.chat.store.path)
+    app.chat.conversation.store.flush()
+    again = make_app(resume=app.chat.conversation.store.path)
     async with again.run_test(size=SIZE) as pilot:
         await ready(pilot)
         assert again.chat.backend.session.held == []
@@ -622,11 +625,11 @@ async def test_conversation_list_opens_renames_and_deletes(make_app, tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "About Orion.")
-        first = app.chat.store.path
+        first = app.chat.conversation.store.path
         await run_palette(pilot, "Clear conversation")
-        await until(pilot, lambda: not app.chat.entries, what="the clear")
+        await until(pilot, lambda: not app.chat.conversation.entries, what="the clear")
         await send(pilot, "About Lyra.")
-        second = app.chat.store.path
+        second = app.chat.conversation.store.path
         assert first != second and first.exists()
         await run_palette(pilot, "Conversations")
         screen = app.screen
@@ -640,20 +643,21 @@ async def test_conversation_list_opens_renames_and_deletes(make_app, tmp_path):
         await pilot.pause()
         assert screen.summaries[1].title == "Orion notes"
         await pilot.press("enter")  # the renamed one stays highlighted
-        await until(pilot, lambda: app.chat.store.path == first, what="the first conversation")
-        assert [m.source for m in assistant_messages(app)] == [app.chat.entries[1].text]
-        assert app.chat.entries[0].text == "About Orion."
-        assert [m.content for m in app.chat.backend.session.messages] == [e.content for e in app.chat.entries]
+        await until(pilot, lambda: app.chat.conversation.store.path == first, what="the first conversation")
+        assert [m.source for m in assistant_messages(app)] == [app.chat.conversation.entries[1].text]
+        assert app.chat.conversation.entries[0].text == "About Orion."
+        entries = app.chat.conversation.entries
+        assert [m.content for m in app.chat.backend.session.messages] == [e.content for e in entries]
         await run_palette(pilot, "Conversations")
         await pilot.press("d")  # the second is not open now
         await pilot.pause()
         assert not second.exists() and [s.path for s in app.screen.summaries] == [first]
         await pilot.press("escape")
-        shown = list(app.chat.entries)
+        shown = list(app.chat.conversation.entries)
         app.chat.open_conversation(second)  # deleted meanwhile: said, and the open one stays
         await until(pilot, lambda: any("cannot open" in n.message for n in app._notifications),
                     what="the error")
-        assert app.chat.entries == shown and app.chat.store.path == first
+        assert app.chat.conversation.entries == shown and app.chat.conversation.store.path == first
 
 
 async def test_model_switch_reloads_every_rank_and_keeps_the_conversation(make_app, clusters, model_dir):

@@ -27,19 +27,18 @@ from cpchat.client.documents import Document
 from cpchat.client.frontend import Frontend
 from cpchat.client.models import local_models, model_dirs
 from cpchat.client.ranks import ServedModel
-from cpchat.client.session import Message as SessionMessage
 from cpchat.client.session import Turn
 from cpchat.client.settings import Settings, bundled
-from cpchat.client.transcripts import Entry, TranscriptStore
+from cpchat.client.transcripts import Entry
 from cpchat.core.algorithms import ALGORITHMS
 from cpchat.dirs import data_dir
 from cpchat.tui import messages as m
 from cpchat.tui.commands import run_slash
-from cpchat.tui.export import export_transcript
+from cpchat.tui.conversation import Conversation, ConversationActions
 from cpchat.tui.jobs import BackendJobs
 from cpchat.tui.paths import leading_paths
 from cpchat.tui.prefs import load_panels, save_panels
-from cpchat.tui.screens import AttachTyped, ContextBudget, ConversationsScreen, MemoryBudget, ModelPicker
+from cpchat.tui.screens import AttachTyped, ContextBudget, MemoryBudget, ModelPicker
 from cpchat.tui.widgets import (
     Answer,
     AttachmentBar,
@@ -54,12 +53,7 @@ from cpchat.tui.widgets import (
 NARROW_BELOW = 110  # columns: the side panels take 48, the conversation keeps at least 62
 
 
-def as_sent(entries: list[Entry]) -> list[SessionMessage]:
-    """The messages as the model saw them, for a session that goes on with them."""
-    return [SessionMessage(e.role, e.content, e.docs) for e in entries]
-
-
-class ChatScreen(Screen):
+class ChatScreen(ConversationActions, Screen):
     """`cluster`/`model_path` inject a running, loaded cluster (tests); otherwise the screen
     launches or attaches its own from `options`. `resume` is a saved conversation to go on with.
     `start_backend=False` leaves the backend out entirely, for snapshots that post messages themselves."""
@@ -101,15 +95,14 @@ class ChatScreen(Screen):
         self.jobs = BackendJobs(self.backend, self.post_message)
         self.resume, self.start_backend = resume, start_backend
         self.model: ServedModel | None = None
-        self.entries: list[Entry] = []
-        self.store = TranscriptStore(transcripts or data_dir() / "transcripts")
+        self.conversation = Conversation(transcripts or data_dir() / "transcripts")
         self.turns_done = 0
         self.answer: Answer | None = None  # the one streaming
         self._failed_ranks: set[int] = set()
         self._preparing = False
         self._prefill_expected: float | None = None
         self._opened = ""  # a conversation opened before the ranks were ready: its cost is still to say
-        self.prefs_path = self.store.directory.parent / "tui.json"
+        self.prefs_path = self.conversation.store.directory.parent / "tui.json"
         self.set_reactive(ChatScreen.panels, load_panels(self.prefs_path))
 
     # ---- layout
@@ -152,7 +145,7 @@ class ChatScreen(Screen):
     def on_unmount(self) -> None:
         """Stop everything that waits on the ranks; close the ranks we launched."""
         self.jobs.stop_stats()
-        self.store.flush()
+        self.conversation.store.flush()
         self.backend.close(generating=self.busy)
 
     # ---- backend life cycle
@@ -163,7 +156,7 @@ class ChatScreen(Screen):
 
     async def on_backend_ready(self, message: m.BackendReady) -> None:
         self.model = message.model
-        self.store.set_model(message.model.name)
+        self.conversation.store.set_model(message.model.name)
         self.failed = False
         self._failed_ranks.clear()
         self.work_bar.hide()
@@ -182,9 +175,9 @@ class ChatScreen(Screen):
                         severity="warning", timeout=30)
         backend = self.backend
         if backend.cluster is not None and backend.tokenizer is not None:
-            backend.session_for(as_sent(self.entries))
+            backend.session_for(self.conversation.as_sent())
             if self._opened:
-                self.announce_history_cost(self._opened, len(self.entries))
+                self.announce_history_cost(self._opened, len(self.conversation.entries))
                 self._opened = ""
             self.follow_stats(backend.cluster)
             self.attachments.count_tokens()
@@ -351,7 +344,7 @@ class ChatScreen(Screen):
 
     async def show_turn(self, entry: Entry) -> None:
         """Show the user's message and an empty answer that tokens will stream into."""
-        self.entries.append(entry)
+        self.conversation.add(entry)
         self.answer = await self.transcript.show_turn(entry)
         self.jobs.cancelled = False
         self.busy = True
@@ -359,7 +352,7 @@ class ChatScreen(Screen):
 
     @work(thread=True, group="generate", exclusive=True, exit_on_error=False)
     def generate(self, turn: Turn, entry: Entry, past_context: bool) -> None:
-        self.jobs.generate(turn, entry, past_context, self.store)
+        self.jobs.generate(turn, entry, past_context, self.conversation.store)
 
     def on_prefill_done(self, message: m.PrefillDone) -> None:
         self.work_bar.hide()
@@ -379,7 +372,7 @@ class ChatScreen(Screen):
         # A failed turn without an answer keeps its user message on screen (the client dropped it
         # from the model's history).
         if text or message.done is not None:
-            self.entries.append(Entry("assistant", text))
+            self.conversation.add(Entry("assistant", text))
         if message.done is not None:
             self.side.throughput.done = message.done
             self.turns_done += 1
@@ -446,55 +439,3 @@ class ChatScreen(Screen):
             self.backend.session.planner.algorithm = algorithm
         self.side.ring.mode = algorithm
         self.notify(f"Ring algorithm: {algorithm}")
-
-    def action_clear(self) -> None:
-        if self._idle():
-            self.reset_conversation()
-
-    @work(thread=True, group="backend", exit_on_error=False)
-    def reset_conversation(self) -> None:
-        self.jobs.reset(self.failed)
-
-    async def on_conversation_cleared(self, message: m.ConversationCleared) -> None:
-        await self.transcript.clear()
-        self.entries.clear()
-        self.store.clear()
-        self.side.clear()
-        self.notify("Conversation cleared.")
-
-    def action_export(self) -> Path | None:
-        try:
-            path = export_transcript(self.entries, data_dir() / "exports")
-        except OSError as e:
-            self.notify(f"could not export: {e}", severity="error")
-            return None
-        self.notify(f"Transcript exported to {path}", timeout=8)
-        return path
-
-    def action_conversations(self) -> None:
-        if self._idle():
-            self.app.push_screen(ConversationsScreen(self.store.directory, self.store.path),
-                                 lambda path: path and self.open_conversation(path))
-
-    @work(group="conversation", exclusive=True, exit_on_error=False)
-    async def open_conversation(self, path: Path) -> None:
-        """Show a saved conversation and go on with it: the next turn re-reads it on the ranks."""
-        try:
-            entries = TranscriptStore.load(path)
-        except OSError as e:
-            self.notify(f"cannot open {path.name}: {e.strerror}", severity="error")
-            return
-        await self.transcript.show(entries)
-        self.entries = entries
-        self.store.path = path
-        session = self.backend.session
-        if session is not None:
-            session.messages = as_sent(self.entries)
-            session.attach(session.cluster)  # the ranks hold another conversation, or none
-            self.announce_history_cost(path.stem, len(self.entries))
-        else:
-            self._opened = path.stem  # announced once the ranks are ready
-
-    @work(thread=True, group="prepare", exit_on_error=False)
-    def announce_history_cost(self, name: str, messages: int) -> None:
-        self.jobs.announce_history_cost(name, messages)
