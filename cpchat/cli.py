@@ -12,6 +12,7 @@ from cpchat.client.connect import ClusterOptions, is_loopback, read_bytes, read_
 from cpchat.core.algorithms import ALGORITHMS
 from cpchat.core.quantized_kv import BITS, GROUP_SIZES
 from cpchat.errors import BadInput
+from cpchat.flags import add_threads_flag, positive_int
 
 
 def app_parser() -> argparse.ArgumentParser:
@@ -187,19 +188,6 @@ def rank_parser() -> argparse.ArgumentParser:
                         "before they start (default $CPCHAT_MEMORY_LIMIT, else what the machine has)")
     add_cache_flags(p)
     return p
-
-
-def add_threads_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                   help="BLAS threads per rank (default: the cores shared out between the ranks of a "
-                        "machine, at least one each)")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text}")
-    return value
 
 
 def add_kv_flags(p: argparse.ArgumentParser) -> None:

@@ -68,13 +68,15 @@ def test_a_mask_made_by_the_model_is_refused():
     import mlx.core as mx
     import numpy as np
 
+    from cpchat.rank.algorithms import ATTEND
     from cpchat.rank.context_parallel import RingPass, ShardCache, ring_attention
     from cpchat.rank.fit import UnsupportedModel
     from cpchat.rank.kvstore import KVShard
     from cpchat.rank.transport.ring import Mailbox, Ring
 
     ring_pass = RingPass("r", "pass_kv", Ring(0, 1, {}, Mailbox(lambda f, n: None)), KVShard(1), 0,
-                         np.arange(2), np.ones(2, bool), True, threading.Event(), windows=[None])
+                         np.arange(2), np.ones(2, bool), True, threading.Event(), windows=[None],
+                         crossing=ATTEND["pass_kv"])
     q = mx.zeros((1, 2, 2, 8))
     attention = ring_attention(lambda *a, **k: None)
     with pytest.raises(UnsupportedModel, match="layer 0 passes attention a mask of its own"):

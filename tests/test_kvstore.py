@@ -4,6 +4,7 @@ import mlx.core as mx
 import numpy as np
 
 from cpchat.core.quantized_kv import KVFormat, Packed
+from cpchat.rank.algorithms import ATTEND
 from cpchat.rank.context_parallel import RingPass, StepMeans, StepTiming
 from cpchat.rank.gathered import Gathered, pack_new, unpack_new
 from cpchat.rank.kvstore import GROW, KVShard
@@ -45,7 +46,8 @@ def test_a_gather_step_on_a_gpu_attends_over_every_ranks_blocks(monkeypatch):
     new.commit()
     held = {0: [(k[:, :, :3], v[:, :, :3], np.arange(3)), (k[:, :, 3:6], v[:, :, 3:6], np.arange(3, 6))]}
     ring_pass = RingPass("r", "gather", Ring(0, 1, {}, Mailbox(lambda f, n: None)), new, 6, np.array([6]),
-                         np.ones(1, bool), True, threading.Event(), windows=[None], held=held)
+                         np.ones(1, bool), True, threading.Event(), windows=[None], held=held,
+                         crossing=ATTEND["gather"])
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     out = ring_pass.attend(0, q, v[:, :, 6:], 0.5, None, None)
     assert mx.abs(out - expected).max().item() < 1e-5

@@ -18,12 +18,12 @@ from pathlib import Path
 from cpchat import blas
 from cpchat.bench import compare_algorithms, compare_mlx_lm, prefix_cache, shares
 from cpchat.bench.models import ARCHS
-from cpchat.cli import add_threads_flag
 from cpchat.client.cluster import TRANSPORTS
 from cpchat.client.launcher import rank_environment
 from cpchat.client.settings import REPO_ASSETS
 from cpchat.core.algorithms import ALGORITHMS
 from cpchat.core.quantized_kv import GROUP_SIZES, QUANTIZED_KV_START
+from cpchat.flags import add_threads_flag
 
 DESCRIPTION = """The benchmark driver: generation over growing contexts for N ranks next to
 mlx-lm, the ring transport next to mx.distributed, a Markdown table and a chart.

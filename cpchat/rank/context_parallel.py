@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -32,7 +33,6 @@ from cpchat.core.attention import (
 )
 from cpchat.core.quantized_kv import KV, KVFormat, Packed, arrays_of, full_precision
 from cpchat.core.sharding import Shares
-from cpchat.rank.algorithms import attend_function
 from cpchat.rank.fit import AttentionCall, UnsupportedModel
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.statestore import StateStore
@@ -45,6 +45,8 @@ from cpchat.rank.transport.wire import BlockKey, block_nbytes
 LAZY_DECODE_SCORES = 1 << 16
 
 Partial = tuple[mx.array, mx.array]  # (out [1, H, L, Dv] float32, lse [1, H, L]): cpchat.core.attention
+# How a layer's attention crosses the ring (cpchat.rank.algorithms): (rp, call, q, k, v, k_pos) -> Partial
+Attend = Callable[["RingPass", "LayerCall", mx.array, "KV | None", "KV | None", np.ndarray], Partial]
 Block = tuple[KV, KV, np.ndarray]  # keys [1, Hkv, n, D], values and their n positions
 
 
@@ -117,6 +119,7 @@ class RingPass:
     layer_calls: dict[int, LayerCall] = field(default_factory=dict)  # the same, as the algorithms take it
     unkept: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict)  # new K/V another rank keeps
     recurrences: list[tuple[int, str]] = field(default_factory=list)  # what each linear layer ran
+    crossing: Attend = field(kw_only=True)  # the algorithm's function (cpchat.rank.algorithms.ATTEND)
 
     @property
     def decoding(self) -> bool:
@@ -155,7 +158,7 @@ class RingPass:
             out = fused_attention(q, full_precision(k), full_precision(v), self.q_positions, k_pos, scale,
                                   call.window, sinks)
         else:
-            out, lse = attend_function(BY_NAME[self.algorithm])(self, call, q, k, v, k_pos)
+            out, lse = self.crossing(self, call, q, k, v, k_pos)
             if sinks is not None:
                 out = add_sink(out, lse, sinks)
         if self.on_layer is not None:

@@ -19,7 +19,7 @@ from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat, quantized_from
 from cpchat.core.sharding import Shares, head_tail_layout, owner_of, owners
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import gathered, linear_layers
-from cpchat.rank.algorithms import DECODE, PREFILL
+from cpchat.rank.algorithms import ATTEND, DECODE, PREFILL
 from cpchat.rank.calibration import measure_prefill
 from cpchat.rank.context_parallel import LayerCall, RingPass, StepMeans, StepTiming
 from cpchat.rank.cpu_products import COPY_SHARE, keep_float32_weights
@@ -145,7 +145,7 @@ class Engine:
         return RingPass(request_id=request_id, algorithm=algorithm, ring=ring, abort=abort,
                         **{"kv": self.kv, "store": True, **extra}, row_offsets=row_offsets,
                         q_positions=positions, real=real, windows=self.windows, linear=self.info.linear,
-                        states=self.states, start=start, seq_len=seq_len)
+                        states=self.states, start=start, seq_len=seq_len, crossing=ATTEND[algorithm])
 
     def _prefill(self, req: pb.GenerateRequest, tokens: list[int], ring: Ring, abort: threading.Event,
                  on_layer: Callable[[int], None] | None, request_id: str) -> mx.array | None:

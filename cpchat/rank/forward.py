@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from cpchat.rank import fit
+from cpchat.rank.algorithms import ATTEND
 from cpchat.rank.context_parallel import RingPass, ShardCache
 from cpchat.rank.fit import UnsupportedModel
 from cpchat.rank.kvstore import KVShard
@@ -44,7 +45,7 @@ def probe_forward(model, vocab_size: int, chunk: int = 3) -> fit.ProbeResult:
         request_id="probe", algorithm="pass_kv", ring=ring, kv=kv, row_offsets=mx.array([0, chunk]),
         q_positions=positions, real=np.ones(2 * chunk, bool), store=True,
         abort=threading.Event(), windows=[s.window for s in slots], linear=linear, states=StateStore(),
-        seq_len=2 * chunk,
+        seq_len=2 * chunk, crossing=ATTEND["pass_kv"],
     )
     kv.begin_append(positions)
     try:
