@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
+import psutil
+from rankprocs import ranks_started_with, wait_gone
 from references import reference_tokenizer, tie_scores
 
 from cpchat.client.events import Done, Prefill, Token
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
+from cpchat.demo.data import make_example
+from cpchat.smallmodels import ARCHITECTURES, LLAMA3_ROPE_SCALING
+
+CPCHAT = [sys.executable, "-m", "cpchat"]
+ALGORITHMS = ("pass_kv", "pass_q", "all_gather", "ulysses", "auto")
+VARIANTS = {  # name -> (model type, options): the forms a family takes in published checkpoints
+    **{arch: (arch, {}) for arch in ARCHITECTURES},
+    "llama-rope-llama3": ("llama", {"rope_scaling": LLAMA3_ROPE_SCALING}),
+    "mistral-sliding": ("mistral", {"sliding_window": 8}),
+    "ministral3-sliding": ("ministral3", {"sliding_window": 8}),
+}
 
 
 def random_prompt(path: Path, length: int, seed: int) -> list[int]:
@@ -75,3 +91,46 @@ def assert_as_mlx_lm_up_to_a_tie(path: Path, ids: list[int], got: list[tuple[int
     if step == 0:
         warnings.warn("a tie at the first step: only its logprob was compared with mlx-lm's", stacklevel=2)
     return step
+
+
+def assert_same(got, expected):
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, a), (_, b) in zip(got, expected, strict=True):
+        assert abs(a - b) <= 1e-3
+
+
+def question_ids(path, seed: int, n_questions: int = 1) -> tuple[list[int], list[str]]:
+    """A demo document with a question, as chat-template token ids, and the later questions."""
+    example = make_example(random.Random(seed), 30, n_questions=n_questions)
+    tokenizer = reference_tokenizer(path)
+    first = example.messages()[0]
+    ids = tokenizer.apply_chat_template([first], add_generation_prompt=True)
+    return ids, [q for q, _ in example.turns[1:]]
+
+
+# ---- the `cpchat` command, as a user runs it
+
+
+def rank_processes(parent_pid: int) -> list[psutil.Process]:
+    return ranks_started_with("--parent-pid", lambda value: value == str(parent_pid))
+
+
+def run(args: list[str], stdin: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    p = subprocess.Popen(
+        CPCHAT + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    out, err = p.communicate(stdin, timeout=timeout)
+    assert wait_gone(lambda: rank_processes(p.pid)) == [], "rank processes outlived the front end"
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def one_line_error(result: subprocess.CompletedProcess, code: int, words: str) -> None:
+    assert result.returncode == code, result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("cpchat"), result.stderr
+    assert words in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def events(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines()]

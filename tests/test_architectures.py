@@ -4,21 +4,14 @@ within 1e-3), through 2 ranks with pass-KV, 3 with pass-Q and all-gather and 4 w
 prompts long enough to cross the sliding windows; what does not fit is refused by name with the reason."""
 
 import pytest
-from helpers import next_turn, random_prompt, raw_session, run_raw
+from helpers import VARIANTS, assert_same, next_turn, random_prompt, raw_session, run_raw
 from references import reference_generate
-from test_exactness import assert_same
 
 from cpchat.errors import BadInput
-from cpchat.smallmodels import ARCHITECTURES, LLAMA3_ROPE_SCALING, write_model
+from cpchat.smallmodels import write_model
 
 REFUSED = {  # name -> (model type, options, what the refusal says)
     "mamba-only": ("nemotron_h", {"overrides": {"hybrid_override_pattern": ["M", "-"]}}, "no layer attends"),
-}
-VARIANTS = {  # name -> (model type, options): the forms a family takes in published checkpoints
-    **{arch: (arch, {}) for arch in ARCHITECTURES},
-    "llama-rope-llama3": ("llama", {"rope_scaling": LLAMA3_ROPE_SCALING}),
-    "mistral-sliding": ("mistral", {"sliding_window": 8}),
-    "ministral3-sliding": ("ministral3", {"sliding_window": 8}),
 }
 MAX_TOKENS = 6
 

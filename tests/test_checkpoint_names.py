@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from ggufs import write_gguf
+from helpers import events, one_line_error, run
 from rankprocs import start_ranks, stop_all
 from references import reference_generate, reference_tokenizer
-from test_headless import events, one_line_error, run
 
 from cpchat.checkpoints import CheckpointError
 from cpchat.checkpoints.gguf_convert import DONE

@@ -11,10 +11,9 @@ import subprocess
 import time
 
 import pytest
-from helpers import next_turn, random_prompt, raw_session, run_raw
+from helpers import ALGORITHMS, assert_same, next_turn, random_prompt, raw_session, run_raw
 from rankprocs import CPCHAT, start_ranks, stop_all, write_token
 from references import reference_generate
-from test_exactness import ALGORITHMS, assert_same
 
 from cpchat.client.cluster import Cluster
 from cpchat.client.generation import GenerationRequest, LayerDone

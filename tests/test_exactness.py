@@ -4,21 +4,26 @@ single-process greedy generation: same tokens, logprobs within 1e-3."""
 import os
 
 import pytest
-from helpers import done_event, next_turn, prefill_event, random_prompt, raw_session, run_raw
+from helpers import (
+    ALGORITHMS,
+    assert_same,
+    done_event,
+    next_turn,
+    prefill_event,
+    random_prompt,
+    raw_session,
+    run_raw,
+)
 from references import reference_generate, reference_top_logprobs
 
 from cpchat.client.generation import GenerationRequest, TokenOut
 from cpchat.core.memory import kv_bytes_per_token
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-ALGORITHMS = ("pass_kv", "pass_q", "all_gather", "ulysses", "auto")
 MAX_TOKENS = 8
 
 
-def assert_same(got, expected):
-    assert [t for t, _ in got] == [t for t, _ in expected]
-    for (_, a), (_, b) in zip(got, expected, strict=True):
-        assert abs(a - b) <= 1e-3
+
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])

@@ -17,9 +17,8 @@ import pytest
 import sentencepiece
 from gguf import GGMLQuantizationType as T
 from ggufs import random_blocks, sentencepiece_fields, write_foreign_gguf, write_gguf, write_vocabulary
-from helpers import run_raw
+from helpers import one_line_error, run, run_raw
 from references import low_precision_noise, reference_generate
-from test_headless import one_line_error, run
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cpchat.checkpoints import CheckpointError

@@ -13,43 +13,17 @@ import time
 from pathlib import Path
 
 import grpc
-import psutil
 import pytest
+from helpers import CPCHAT, events, one_line_error, rank_processes, run
 from makedocs import write_pdf
-from rankprocs import ranks_started_with, wait_gone
+from rankprocs import wait_gone
 from references import reference_generate, reference_tokenizer
 
 import cpchat
 from cpchat import blas
 from cpchat.core.sharding import rank_tokens
 
-CPCHAT = [sys.executable, "-m", "cpchat"]
 SAMPLE_DOC = Path(__file__).resolve().parents[1] / "assets" / "sample-doc.txt"
-
-
-def rank_processes(parent_pid: int) -> list[psutil.Process]:
-    return ranks_started_with("--parent-pid", lambda value: value == str(parent_pid))
-
-
-def run(args: list[str], stdin: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    p = subprocess.Popen(
-        CPCHAT + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    out, err = p.communicate(stdin, timeout=timeout)
-    assert wait_gone(lambda: rank_processes(p.pid)) == [], "rank processes outlived the front end"
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
-
-
-def one_line_error(result: subprocess.CompletedProcess, code: int, words: str) -> None:
-    assert result.returncode == code, result.stderr
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("cpchat"), result.stderr
-    assert words in lines[0]
-    assert "Traceback" not in result.stderr
-
-
-def events(stdout: str) -> list[dict]:
-    return [json.loads(line) for line in stdout.splitlines()]
 
 
 def test_json_events_match_mlx_lm(model_dir):

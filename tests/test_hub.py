@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import one_line_error, run
 from references import reference_generate, reference_tokenizer
-from test_headless import one_line_error, run
 
 from cpchat.client import hub
 from cpchat.errors import BadInput

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from helpers import (
     assert_as_mlx_lm_up_to_a_tie,
+    assert_same,
     done_event,
     next_turn,
     prefill_event,
@@ -19,7 +20,6 @@ from helpers import (
     run_raw,
 )
 from references import low_precision_noise, reference_generate
-from test_exactness import assert_same
 
 from cpchat.core.gated_delta import chunked_gated_delta
 from cpchat.core.recurrence import add_start_state, fold

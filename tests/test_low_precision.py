@@ -4,14 +4,11 @@ generation on the same checkpoint, and every logprob within 1.5x of mlx-lm's own
 noise (its logprobs in the checkpoint's dtype vs the same stored weights run in float32)."""
 
 import functools
-import random
 
 import pytest
-from helpers import next_turn, raw_session, run_raw
+from helpers import next_turn, question_ids, raw_session, run_raw
 from mlx_reference import float32_weight
 from references import low_precision_noise, reference_generate, reference_tokenizer
-
-from cpchat.demo.data import make_example
 
 FORMS = ("bfloat16", "float16", "q4g32", "q4g64", "q4g128", "q8g64")
 MAX_TOKENS = 16
@@ -31,15 +28,6 @@ def assert_within_noise(path, ids, got):
     assert [t for t, _ in got] == [t for t, _ in expected]
     worst = max(abs(a - b) for (_, a), (_, b) in zip(got, expected, strict=True))
     assert worst <= 1.5 * noise, f"logprobs off by {worst:.4f}; mlx-lm's own noise is {noise:.4f}"
-
-
-def question_ids(path, seed: int, n_questions: int = 1) -> tuple[list[int], list[str]]:
-    """A demo document with a question, as chat-template token ids, and the later questions."""
-    example = make_example(random.Random(seed), 30, n_questions=n_questions)
-    tokenizer = reference_tokenizer(path)
-    first = example.messages()[0]
-    ids = tokenizer.apply_chat_template([first], add_generation_prompt=True)
-    return ids, [q for q, _ in example.turns[1:]]
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import pytest
 from helpers import next_turn, raw_session
+from pilot import RANKS, SIZE, attach_with_question, ready, until
 from rankprocs import loaded_ring, start_ranks
-from test_tui import RANKS, SIZE, attach_with_question, ready, until
 
 from cpchat.client.cluster import Cluster
 from cpchat.client.memory import MemoryShortfall, shortfall

@@ -18,10 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import done_event, next_turn, prefill_event, random_prompt, raw_session
+from helpers import VARIANTS, assert_same, done_event, next_turn, prefill_event, random_prompt, raw_session
 from references import low_precision_noise, reference_generate
-from test_architectures import VARIANTS
-from test_exactness import assert_same
 
 from cpchat.client.events import CacheLoaded, Token
 from cpchat.client.session import Session, common_prefix, load_tokenizer

@@ -13,9 +13,8 @@ import sys
 
 import pytest
 from conftest import DEMO_MODEL
-from helpers import done_event, next_turn, random_prompt, raw_session
+from helpers import done_event, next_turn, question_ids, random_prompt, raw_session
 from references import MlxReference, quantized_reads, reference_tokenizer
-from test_low_precision import question_ids
 
 from cpchat.core.quantized_kv import KVFormat, quantized_from
 from cpchat.errors import BadInput

@@ -3,9 +3,8 @@ its share, every prefill algorithm and decode step still mlx-lm's answer, with l
 share divides; the K/V each rank holds follows its share; auto shares follow measured speeds."""
 
 import pytest
-from helpers import done_event, next_turn, prefill_event, random_prompt, raw_session, run_raw
+from helpers import assert_same, done_event, next_turn, prefill_event, random_prompt, raw_session, run_raw
 from references import reference_generate
-from test_exactness import assert_same
 
 from cpchat import blas
 from cpchat.bench.compare_algorithms import BenchUsageError

@@ -16,9 +16,8 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import next_turn, prefill_event, raw_session, run_raw
+from helpers import next_turn, prefill_event, raw_session, run, run_raw
 from references import MlxReference
-from test_headless import run
 
 from cpchat.checkpoints import CheckpointError
 from cpchat.checkpoints.gguf_convert import converted_dir

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
@@ -17,6 +16,7 @@ import pytest
 from conftest import DEMO_MODEL
 from ggufs import write_gguf
 from makedocs import write_pdf
+from pilot import RANKS, SIZE, assistant_messages, attach_with_question, chips, paste, ready, until
 from textual.pilot import Pilot
 from textual.widgets import Label, Markdown, Static
 
@@ -40,7 +40,6 @@ from cpchat.tui.screens import (
 )
 from cpchat.tui.widgets import (
     AttachmentBar,
-    AttachmentChip,
     BigText,
     ChatInput,
     ChatMessage,
@@ -52,23 +51,12 @@ from cpchat.tui.widgets import (
     WorkBar,
 )
 
-SIZE = (140, 44)
-RANKS = 2
 pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-async def until(pilot: Pilot, condition: Callable[[], object], timeout: float = 60.0, what: str = "") -> None:
-    """Poll a condition with a deadline (the ranks run at their own pace)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or condition}")
-        await pilot.pause(0.05)
 
 
 @pytest.fixture
@@ -90,12 +78,6 @@ def make_app(clusters, model, tmp_path) -> Callable[..., CpchatApp]:
     return make
 
 
-async def ready(pilot: Pilot) -> CpchatApp:
-    app = pilot.app
-    await until(pilot, lambda: app.chat.backend.session is not None, what="the session")
-    return app
-
-
 async def send(pilot: Pilot, text: str) -> None:
     app = pilot.app
     before = app.chat.turns_done
@@ -106,28 +88,7 @@ async def send(pilot: Pilot, text: str) -> None:
     await until(pilot, lambda: app.chat.turns_done > before and not app.chat.busy, what="the answer")
 
 
-def assistant_messages(app: CpchatApp) -> list[ChatMessage]:
-    return [m for m in app.query(ChatMessage) if m.role == "assistant"]
 
-
-def chips(app: CpchatApp) -> list[AttachmentChip]:
-    return list(app.query(AttachmentChip))
-
-
-async def attach_with_question(pilot: Pilot, doc: Path, question: str) -> None:
-    """Paste a document's path (it becomes a chip once read) and type a question, not sent yet."""
-    await paste(pilot, str(doc))
-    await until(pilot, lambda: chips(pilot.app) and chips(pilot.app)[0].tokens, what="the chip")
-    pilot.app.query_one(ChatInput).load_text(question)
-
-
-async def paste(pilot: Pilot, text: str) -> None:
-    from textual import events
-
-    """A bracketed paste as the terminal driver delivers it: to the app, which forwards it to the focus."""
-    pilot.app.query_one(ChatInput).focus()
-    pilot.app.post_message(events.Paste(text))
-    await pilot.pause()
 
 
 class WatchedChat(ChatScreen):

@@ -1,0 +1,54 @@
+"""Driving the TUI under Textual's Pilot: waiting for the ranks, attaching documents, reading the screen."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from textual.pilot import Pilot
+
+from cpchat.tui.app import CpchatApp
+from cpchat.tui.widgets import AttachmentChip, ChatInput, ChatMessage
+
+SIZE = (140, 44)
+RANKS = 2
+
+
+async def until(pilot: Pilot, condition: Callable[[], object], timeout: float = 60.0, what: str = "") -> None:
+    """Poll a condition with a deadline (the ranks run at their own pace)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        await pilot.pause(0.05)
+
+
+async def ready(pilot: Pilot) -> CpchatApp:
+    app = pilot.app
+    await until(pilot, lambda: app.chat.backend.session is not None, what="the session")
+    return app
+
+
+def assistant_messages(app: CpchatApp) -> list[ChatMessage]:
+    return [m for m in app.query(ChatMessage) if m.role == "assistant"]
+
+
+def chips(app: CpchatApp) -> list[AttachmentChip]:
+    return list(app.query(AttachmentChip))
+
+
+async def attach_with_question(pilot: Pilot, doc: Path, question: str) -> None:
+    """Paste a document's path (it becomes a chip once read) and type a question, not sent yet."""
+    await paste(pilot, str(doc))
+    await until(pilot, lambda: chips(pilot.app) and chips(pilot.app)[0].tokens, what="the chip")
+    pilot.app.query_one(ChatInput).load_text(question)
+
+
+async def paste(pilot: Pilot, text: str) -> None:
+    """A bracketed paste as the terminal driver delivers it: to the app, which forwards it to the focus."""
+    from textual import events
+
+    pilot.app.query_one(ChatInput).focus()
+    pilot.app.post_message(events.Paste(text))
+    await pilot.pause()
