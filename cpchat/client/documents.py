@@ -9,6 +9,7 @@ from pathlib import Path
 from cpchat.client.folders import ListingCancelled, list_folder
 from cpchat.client.formats import Progress, ReadCancelled, Steps, Unreadable, extract
 from cpchat.errors import BadInput
+from cpchat.prompt import user_message
 
 MAX_FILE_BYTES = 256 << 20  # a file on disk (a PDF of scans can be large; its text is what counts)
 MAX_FOLDER_TEXT = 8_000_000  # characters of a folder's text: millions of tokens, past any model's context
@@ -113,18 +114,10 @@ def read_folder(root: Path, progress: Progress | None = None,
     return Document(root.name, "folder", size, tuple(sections), left_out=tuple(left_out))
 
 
-def render_document(name: str, text: str) -> str:
-    """One named text as it appears inside a user message (the demo model is trained on this)."""
-    return f'<document name="{name}">\n{text.strip()}\n</document>'
-
-
 def render_sections(document: Document) -> str:
-    return "\n\n".join(render_document(s.name, s.text) for s in document.sections)
+    return user_message([(s.name, s.text) for s in document.sections], "")
 
 
 def render_user_turn(documents: list[Document], text: str) -> str:
-    """Documents first, then the user's words (as they are, when there is no document)."""
-    if not documents:
-        return text
-    parts = [render_sections(d) for d in documents]
-    return "\n\n".join(parts + ([text.strip()] if text.strip() else []))
+    """Documents first, then the user's words (cpchat.prompt)."""
+    return user_message([(s.name, s.text) for d in documents for s in d.sections], text)

@@ -7,9 +7,8 @@ holds no such fact. Two kinds: `make_prose_example` puts facts about open-ended
 names, in several phrasings, into real prose (cpchat.demo.prose, .names), which
 is what the model learns from; `make_example` is the earlier synthetic kind
 (a small grammar of filler and fixed word lists), kept as a second test set.
-`render_user_turn` is the one place that decides how an attached document and
-a question become a user message: the app and the training data must agree on
-it exactly.
+A document and a question become a user message as the app sends them
+(cpchat.prompt): the app and the training data agree on it exactly.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cpchat.demo.names import Names, kind_of
+from cpchat.prompt import user_message
 
 if TYPE_CHECKING:
     from cpchat.demo.prose import Source
@@ -189,14 +189,9 @@ class Example:
         return out
 
 
-def render_document(doc_name: str, doc_text: str) -> str:
-    """One attached document as it appears inside a user message."""
-    return f'<document name="{doc_name}">\n{doc_text.strip()}\n</document>'
-
-
 def render_user_turn(doc_name: str, doc_text: str, question: str) -> str:
     """The user message for a question about an attached document (the format the demo model knows)."""
-    return f"{render_document(doc_name, doc_text)}\n\n{question.strip()}"
+    return user_message([(doc_name, doc_text)], question)
 
 
 def random_value(rng: random.Random, kind: str) -> str:

@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpchat.demo.data import make_example, make_prose_example, render_document, tokenizer_corpus
+from cpchat.demo.data import make_example, make_prose_example, tokenizer_corpus
+from cpchat.prompt import render_document
 from cpchat.smallmodels import EOS_TOKEN, SPECIAL_TOKENS, model_config, train_tokenizer, vocab_size_index
 
 
