@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 from cpchat import blas
 from cpchat.bench import compare_algorithms, compare_mlx_lm, prefix_cache, shares
 from cpchat.bench.models import ARCHS
+from cpchat.bench.report import command_line
 from cpchat.client.cluster import TRANSPORTS
 from cpchat.client.launcher import rank_environment
 from cpchat.client.settings import REPO_ASSETS
@@ -141,13 +141,6 @@ def main(argv: list[str] | None = None) -> int:
             return prefix_cache.run_prefix_cache(args, command_line(argv))
         return compare_algorithms.run_comparison(args, command_line(argv))
     return compare_mlx_lm.run_comparison(args, blas_modes)
-
-
-def command_line(argv: list[str] | None) -> str:
-    """The command as typed, for the report."""
-    if argv is None:
-        argv = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
-    return ("cpchat bench " + shlex.join(argv)).strip()
 
 
 def counts(flag: str, text: str) -> list[int]:

@@ -11,20 +11,16 @@ small-message latency is listed, as those are what the cost model weighs.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import mlx.core as mx
-
 from cpchat.bench.baseline import prompt_ids
 from cpchat.bench.charts import write_ratio_chart
 from cpchat.bench.compare_mlx_lm import exchange_wait_ms
 from cpchat.bench.models import in_form, random_model, source_model
+from cpchat.bench.report import machine, write_report
 from cpchat.checkpoints import CheckpointError
 from cpchat.client.cluster import Cluster
 from cpchat.client.events import AlgorithmChoice, Done, Prefill
@@ -328,20 +324,6 @@ def report_decode(row: DecodeRow) -> None:
 # ---- the report
 
 
-def machine() -> dict:
-    """What the numbers were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "system": platform.system(),
-            "python": platform.python_version(), "mlx": getattr(mx, "__version__", "")}
-
-
 def _ms(value: float | None) -> str:
     return "" if value is None else f"{value:.0f}" if value >= 10 else f"{value:.1f}"
 
@@ -427,7 +409,6 @@ def latency_table(latencies: list[Latency]) -> list[str]:
 
 
 def write_comparison(out: Path, result: Comparison, seconds: float) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     data = result.to_json(seconds)
     m = data["machine"]
     lines = [
@@ -459,8 +440,7 @@ def write_comparison(out: Path, result: Comparison, seconds: float) -> None:
                   "As each cluster measured it when it loaded the model; exchange: a small message to every "
                   "other rank and one from each, at once.", ""]
         lines += latency_table(result.latency)
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps(data, indent=1))
+    write_report(out, "results", lines, data)
     if result.prefill:
         write_ttft_chart(out / "results.png", result.prefill)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from cpchat import blas
 from cpchat.bench.baseline import document_ids, prompt_ids
 from cpchat.bench.charts import Lines, write_context_chart
 from cpchat.bench.models import in_form, source_model
+from cpchat.bench.report import command_line, machine, write_report
 from cpchat.bench.transport import MB, ring_link, run_transport, transport_table
 from cpchat.checkpoints import CheckpointError
 from cpchat.client.cluster import TRANSPORTS, Cluster
@@ -35,7 +35,7 @@ from cpchat.core.quantized_kv import BITS, FULL_PRECISION, KVFormat
 
 
 @dataclass
-class Row:
+class SystemRow:
     system: str
     ranks: int
     context: int
@@ -94,7 +94,7 @@ def run_comparison(args, blas_modes: list[str]) -> int:
     if not formats or any(f.bits not in (0, *BITS) for f in formats):
         print("cpchat bench: --kv-bits: expected a comma list of 0, 8 and 4", file=sys.stderr)
         return 2
-    rows: list[Row] = []
+    rows: list[SystemRow] = []
     started = time.time()
     for blas_choice in blas_modes:
         for kv in formats:
@@ -107,12 +107,12 @@ def run_comparison(args, blas_modes: list[str]) -> int:
     sizes = [s * MB for s in args.transport]
     transport = run_transport(sizes, args.repeats) if sizes else []
     out = Path(args.out)
-    write_report(out, rows, transport, args, model, time.time() - started)
+    write_results(out, rows, transport, args, model, time.time() - started)
     print(f"wrote {out / 'results.md'}", file=sys.stderr)
     return 0
 
 
-def report_progress(row: Row) -> None:
+def report_progress(row: SystemRow) -> None:
     print(
         f"  {row.system:>12} ctx={row.context:>6} blas={row.blas}: ttft {row.best('ttft_ms'):.0f} ms, "
         f"prefill {row.best('prefill_tokens_per_s'):.0f} tok/s, "
@@ -122,7 +122,8 @@ def report_progress(row: Row) -> None:
     )
 
 
-def run_baseline(model: str, context: int, args, blas_choice: str, kv: KVFormat = FULL_PRECISION) -> Row:
+def run_baseline(model: str, context: int, args, blas_choice: str,
+                 kv: KVFormat = FULL_PRECISION) -> SystemRow:
     """mlx-lm's row: baseline.py in a child with the ranks' BLAS environment."""
     cmd = [
         sys.executable,
@@ -148,7 +149,7 @@ def run_baseline(model: str, context: int, args, blas_choice: str, kv: KVFormat 
     threads = args.threads or (1 if args.pin else blas.usable_cores())  # every core, as a user's mlx-lm
     done = subprocess.run(cmd, capture_output=True, text=True, env=rank_environment(blas_choice, threads),
                           check=True)
-    row = Row("mlx-lm" + _kv_label(kv), 1, context, kv_bits=kv.bits)
+    row = SystemRow("mlx-lm" + _kv_label(kv), 1, context, kv_bits=kv.bits)
     for line in done.stdout.splitlines():
         r = json.loads(line)
         row.blas, row.threads = r["blas"], r["threads"]
@@ -180,7 +181,7 @@ class Contestant:
 
 
 def run_cpchat(model: str, clusters: list[tuple[int, str]], contexts: list[int], args, blas_choice: str,
-               kv: KVFormat = FULL_PRECISION) -> list[Row]:
+               kv: KVFormat = FULL_PRECISION) -> list[SystemRow]:
     """cpchat's rows, one per cluster (n ranks, transport) and context. Every cluster stays up while
     the repeats go round them in turn, so the machine's noise falls on all of them alike and their
     ratios are side by side."""
@@ -216,17 +217,17 @@ def run_cpchat(model: str, clusters: list[tuple[int, str]], contexts: list[int],
     return rows
 
 
-def _planned_row(c: Contestant, tokenizer, context: int, args) -> Row:
+def _planned_row(c: Contestant, tokenizer, context: int, args) -> SystemRow:
     """A cluster's row for one context, with what `cpchat plan` predicts before the runs."""
     c.cluster.reset(0)
     plan = make_plan(Planner(c.cluster, args.algorithm), context, args.decode)
-    return Row(c.system, c.n, context, blas=" / ".join(sorted({r.blas_label for r in c.cluster.ranks})),
+    return SystemRow(c.system, c.n, context, blas=" / ".join(sorted({r.blas_label for r in c.cluster.ranks})),
                kv_bits=c.cluster.model.kv_format.bits, threads=min(r.blas.threads for r in c.cluster.ranks),
                estimate_s=plan.ttft_s, peak_estimate_bytes=max(r.peak_bytes for r in plan.ranks),
                decode_estimate=plan.decode_tokens_per_s)
 
 
-def _run_once(c: Contestant, row: Row, tokenizer, ids: list[int], args) -> None:
+def _run_once(c: Contestant, row: SystemRow, tokenizer, ids: list[int], args) -> None:
     """One generation of `ids` on a fresh ring, its figures added to `row`."""
     cluster = c.cluster
     cluster.reset(0)
@@ -320,9 +321,9 @@ def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> tu
     return (max(0.0, 1.0 - waited / transfer) if transfer else 0.0), sent
 
 
-def write_report(out: Path, rows: list[Row], transport: list[dict], args, model: str, seconds: float) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    command = "cpchat bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+def write_results(out: Path, rows: list[SystemRow], transport: list[dict], args, model: str,
+                  seconds: float) -> None:
+    command = command_line()
     base = {(r.context, r.blas, r.kv_bits): r for r in rows if r.system.startswith("mlx-lm")}
     plain = {(r.system.removesuffix(_kv_label(KVFormat(r.kv_bits))), r.context, r.blas): r
              for r in rows if not r.kv_bits}
@@ -376,15 +377,13 @@ def write_report(out: Path, rows: list[Row], transport: list[dict], args, model:
         )
     if transport:
         lines += ["", *transport_table(transport, args.repeats)]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(
-        json.dumps({"command": command, "rows": [asdict(r) for r in rows], "transport": transport}, indent=1)
-    )
+    write_report(out, "results", lines, {"command": command, "machine": machine(),
+                                          "rows": [asdict(r) for r in rows], "transport": transport})
     if rows:
         write_context_chart(out / "results.png", chart_panels(rows))
 
 
-def chart_panels(rows: list[Row]) -> dict[str, Lines]:
+def chart_panels(rows: list[SystemRow]) -> dict[str, Lines]:
     """Prefill and decode tokens/s, one line per system, of the first BLAS measured."""
     panels: dict[str, Lines] = {"prefill tokens/s": {}, "decode tokens/s": {}}
     for system in dict.fromkeys(r.system for r in rows):

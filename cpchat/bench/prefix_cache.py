@@ -10,7 +10,6 @@ TTFT as a share of the first, the load time, and the bytes each rank keeps on di
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -19,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cpchat.bench.charts import write_bar_chart
-from cpchat.bench.compare_algorithms import machine
 from cpchat.bench.models import in_form, source_model
+from cpchat.bench.report import machine, write_report
 from cpchat.checkpoints import CheckpointError
 from cpchat.client.cluster import Cluster
 from cpchat.client.documents import Document, Section
@@ -125,7 +124,7 @@ def run_prefix_cache(args, command: str) -> int:
         print(f"cpchat bench: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    write_report(out, cells, command, args, time.time() - started)
+    write_prefix_cache(out, cells, command, args, time.time() - started)
     print(f"wrote {out / 'prefix-cache.md'}", file=sys.stderr)
     return 0
 
@@ -236,7 +235,7 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def table(cells: list[Cell]) -> list[str]:
+def prefix_cache_table(cells: list[Cell]) -> list[str]:
     lines = ["| model | N | context | prompt tokens | first TTFT ms | second TTFT ms | second / first "
              "| load ms | reused tokens | prefilled | cache | disk MiB/rank | first turn s, save off "
              "| save on | wall ratio − 1 | save stall ms | stall / turn | write done after Done, ms |",
@@ -255,8 +254,7 @@ def table(cells: list[Cell]) -> list[str]:
     return lines
 
 
-def write_report(out: Path, cells: list[Cell], command: str, args, seconds: float) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+def write_prefix_cache(out: Path, cells: list[Cell], command: str, args, seconds: float) -> None:
     m = machine()
     blas = args.blas_choice
     lines = [
@@ -279,12 +277,11 @@ def write_report(out: Path, cells: list[Cell], command: str, args, seconds: floa
         "loading the saved prefix (*load ms*, the saved files' pages dropped from the OS page cache "
         "first) and prefilling the rest. *Disk MiB/rank*: the .kvp files of one shard.",
         "",
-        *table(cells),
+        *prefix_cache_table(cells),
     ]
-    (out / "prefix-cache.md").write_text("\n".join(lines) + "\n")
     data = {"command": command, "machine": m, "repeats": args.repeats, "decode_tokens": args.decode,
             "seconds": round(seconds, 1), "cells": [c.to_json() for c in cells]}
-    (out / "prefix-cache.json").write_text(json.dumps(data, indent=1))
+    write_report(out, "prefix-cache", lines, data)
     seconds_of = {"first session": "save_on", "second session (prefix from disk)": "second"}
     write_bar_chart(out / "prefix-cache.png", [f"{c.model}\nN={c.ranks}\n{c.context}" for c in cells],
                     {label: [c.best(turn, "ttft_ms") / 1000 for c in cells]

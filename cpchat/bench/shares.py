@@ -12,7 +12,6 @@ with equal shares the slow rank sets the time, so r = TTFT before the quota / TT
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -23,7 +22,8 @@ from pathlib import Path
 
 from cpchat.bench.baseline import prompt_ids
 from cpchat.bench.charts import write_bar_chart
-from cpchat.bench.compare_algorithms import BenchUsageError, machine, model_variants, prefill_once
+from cpchat.bench.compare_algorithms import BenchUsageError, model_variants, prefill_once
+from cpchat.bench.report import machine, write_report
 from cpchat.client.cluster import Cluster
 from cpchat.client.session import load_tokenizer
 from cpchat.client.settings import parse_shares
@@ -33,7 +33,7 @@ CGROUPS = Path("/sys/fs/cgroup")
 
 
 @dataclass
-class Row:
+class SharesRow:
     ranks: int
     context: int
     slow: str  # "RANK:FRACTION"
@@ -94,7 +94,7 @@ def run_shares(args, command: str) -> int:
     except BenchUsageError as e:
         print(f"cpchat bench: {e}", file=sys.stderr)
         return 2
-    rows: list[Row] = []
+    rows: list[SharesRow] = []
     started = time.time()
     for n in [r for r in args.ranks if r > slow]:
         cluster = Cluster.launch(n, blas_choice=args.blas_choice, threads=args.threads)
@@ -107,7 +107,7 @@ def run_shares(args, command: str) -> int:
                 with cpu_quota(cluster.ranks[slow].local.process.pid, fraction):
                     cluster.load(str(model))
                     for context in args.contexts:
-                        row = Row(n, context, args.slow, best[context],
+                        row = SharesRow(n, context, args.slow, best[context],
                                   speeds=[round(s) for s in cluster.speeds()])
                         for mode in modes:
                             row.ttft_ms[mode], row.taken[mode] = best_run(cluster, tokenizer, context, mode,
@@ -120,7 +120,7 @@ def run_shares(args, command: str) -> int:
         finally:
             cluster.close()
     out = Path(args.out)
-    write_report(out, rows, command, time.time() - started)
+    write_shares(out, rows, command, time.time() - started)
     print(f"wrote {out / 'shares.md'}", file=sys.stderr)
     return 0
 
@@ -133,13 +133,13 @@ def best_run(cluster: Cluster, tokenizer, context: int, mode: str, repeats: int)
     return round(fastest.ttft_ms, 1), fastest.shares
 
 
-def report(row: Row) -> None:
+def report(row: SharesRow) -> None:
     times = ", ".join(f"{mode} {ms / 1000:.1f} s {row.taken[mode]}" for mode, ms in row.ttft_ms.items())
     print(f"  N={row.ranks} ctx={row.context} rank {row.slow}: {times}; ideal {row.ideal_ms / 1000:.1f} s",
           file=sys.stderr, flush=True)
 
 
-def table(rows: list[Row]) -> list[str]:
+def shares_table(rows: list[SharesRow]) -> list[str]:
     modes = list(rows[0].ttft_ms) if rows else []
     lines = ["| N | context | slow rank | speeds tok/s | speed ratio | unthrottled | ideal | "
              + " | ".join(f"{m} TTFT | {m} tokens | {m} / ideal" for m in modes) + " | equal / auto |",
@@ -155,17 +155,14 @@ def table(rows: list[Row]) -> list[str]:
     return lines
 
 
-def write_report(out: Path, rows: list[Row], command: str, seconds: float) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    lines = [f"`{command}` ({seconds:.0f} s)", "", *table(rows), "",
+def write_shares(out: Path, rows: list[SharesRow], command: str, seconds: float) -> None:
+    lines = [f"`{command}` ({seconds:.0f} s)", "", *shares_table(rows), "",
              "Ideal: the total work over the total speed, the unthrottled equal-shares TTFT × N / "
              "(N − 1 + r), r the speed ratio (unthrottled over throttled equal-shares TTFT). Speeds: "
              "tokens/s each rank measured when it loaded the model under the quota. TTFT is the best of the "
              "repeats."]
-    (out / "shares.md").write_text("\n".join(lines) + "\n")
     rows_json = [asdict(r) | {"ideal_ms": r.ideal_ms, "speed_ratio": r.speed_ratio} for r in rows]
-    (out / "shares.json").write_text(json.dumps({"machine": machine(), "command": command, "rows": rows_json},
-                                                indent=1))
+    write_report(out, "shares", lines, {"machine": machine(), "command": command, "rows": rows_json})
     groups = [f"N={r.ranks} {r.context // 1024}K" for r in rows]
     bars = {"ideal": [r.ideal_ms / 1000 for r in rows]} | {
         mode: [r.ttft_ms[mode] / 1000 for r in rows] for mode in (rows[0].ttft_ms if rows else {})}
