@@ -16,7 +16,7 @@ from references import reference_tokenizer, tie_scores
 from cpchat.client.events import Done, Prefill, Token
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.demo.data import make_example
-from cpchat.smallmodels import ARCHITECTURES, LLAMA3_ROPE_SCALING
+from cpchat.families import ARCHITECTURES, LLAMA3_ROPE_SCALING
 
 CPCHAT = [sys.executable, "-m", "cpchat"]
 ALGORITHMS = ("pass_kv", "pass_q", "all_gather", "ulysses", "auto")

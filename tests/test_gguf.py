@@ -27,7 +27,8 @@ from cpchat.checkpoints.gguf_convert import DONE, converted_dir
 from cpchat.checkpoints.gguf_file import read_gguf
 from cpchat.checkpoints.gguf_tokenizer import LLAMA3, QWEN2, TEKKEN, tokenizer_files
 from cpchat.checkpoints.gguf_weights import EXACT_BITS, affine_groups, convert_tensor
-from cpchat.smallmodels import LLAMA3_ROPE_SCALING, write_model
+from cpchat.families import LLAMA3_ROPE_SCALING
+from cpchat.smallmodels import write_model
 
 DATA = Path(__file__).parent / "data"
 TEXTS = json.loads((DATA / "smollm2-llamacpp-tokens.json").read_text(encoding="utf-8"))["texts"]

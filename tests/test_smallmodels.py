@@ -4,7 +4,8 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from cpchat.smallmodels import ARCHITECTURES, write_model
+from cpchat.families import ARCHITECTURES
+from cpchat.smallmodels import write_model
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

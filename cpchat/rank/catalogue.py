@@ -41,7 +41,7 @@ def describe(arch: str, root: Path) -> str:
 
 
 def print_architectures() -> int:
-    from cpchat.smallmodels import ARCHITECTURES
+    from cpchat.families import ARCHITECTURES
 
     print("Model types checked here (a tiny random model of each, through the check every rank runs;")
     print("the test suite compares each with mlx-lm's own generation through 2 and 3 ranks):\n")
