@@ -12,20 +12,16 @@ import pytest
 
 from cpchat.client.events import Token
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
-from cpchat.demo.data import (
-    NOT_FOUND,
-    POSITIONS,
+from cpchat.demo.data import NOT_FOUND, POSITIONS, make_example, render_user_turn, write_sample_document
+from cpchat.demo.names import HEADS, KINDS, MADE_UP_KINDS, Names, kind_of, pool_of_word
+from cpchat.demo.prose import LICENCES, load_pool, pool_of
+from cpchat.demo.prose_examples import (
     PROSE_QUESTIONS,
     absent_answer,
     answered_value,
     blurred,
-    make_example,
     make_prose_example,
-    render_user_turn,
-    write_sample_document,
 )
-from cpchat.demo.names import HEADS, KINDS, MADE_UP_KINDS, Names, kind_of, pool_of_word
-from cpchat.demo.prose import LICENCES, load_pool, pool_of
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "assets" / "demo-model"

@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cpchat.demo.data import NOT_FOUND, answered_value, make_example, make_prose_example, render_user_turn
+from cpchat.demo.data import NOT_FOUND, make_example, render_user_turn
+from cpchat.demo.prose_examples import answered_value, make_prose_example
 
 # generate_fn(doc_name, doc_text, question) -> the answer text
 GenerateFn = Callable[[str, str, str], str]
