@@ -9,9 +9,9 @@ Run as a script it is the worker (`references.MlxReference`), multiplying with t
 use: JSON lines in (`{"ids": [...], "max_tokens": n, "reset": bool}`), JSON lines out (`{"answer":
 [[token, logprob], ...], "noise": x}`). It keeps one conversation's prompt cache, so a later turn of a
 conversation prefills only its new tokens, as mlx-lm's own chat does; `reset` starts another. The noise
-is mlx-lm's own low-precision error over the answer: its logprobs in the checkpoint's form against the
-same stored weights run in float32 (with kv_bits: with the same kv_bits, reading the same tokens in the
-same calls).
+is mlx-lm's own low-precision error over the new tokens and the answer: its logprobs in the checkpoint's
+form against the same stored weights run in float32 (with kv_bits: both with the same kv_bits, reading
+the same tokens in the same calls).
 """
 
 from __future__ import annotations
@@ -154,48 +154,62 @@ def serve(path: str, kv_bits: int, kv_group_size: int, quantized_kv_start: int) 
     kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "quantized_kv_start": quantized_kv_start} \
         if kv_bits else {}
     cached: list[int] = []
-    cache, cache32 = make_prompt_cache(model), make_prompt_cache(float32)
     for line in sys.stdin:
         request = json.loads(line)
         ids = request["ids"]
         if request["reset"] or ids[:len(cached)] != cached or len(ids) == len(cached):  # another conversation
-            cached, cache, cache32 = [], make_prompt_cache(model), make_prompt_cache(float32)
+            cached, cache = [], make_prompt_cache(model)
+            # with kv_bits, the same weights read teacher-forced in their dtype and in float32
+            forced, forced32 = make_prompt_cache(model), make_prompt_cache(float32)
         new = ids[len(cached):]
         answer = [(r.token, float(r.logprobs[r.token])) for r in mlx_lm.stream_generate(
             model, tokenizer, new, max_tokens=request["max_tokens"], sampler=make_sampler(0.0),
             prompt_cache=cache, **kv)]
         read = next(c.offset for c in cache if hasattr(c, "offset"))  # a linear layer's state keeps none
         cached = (ids + [t for t, _ in answer])[:read]  # what the cache has read
-        if kv:  # the same weights in float32 with the same kv_bits, reading the same tokens in the same calls
-            in_float32 = forced_logprobs(float32, cache32, new, [t for t, _ in answer], kv)
+        tokens = [t for t, _ in answer]
+        if kv:  # every position of the new tokens and the answer, read in the calls generate_step makes
+            reads = read - (len(ids) - len(new))
+            in_dtype, in_float32 = (forced_logprobs(m, c, new, tokens, reads, kv) for m, c in
+                                    ((model, forced), (float32, forced32)))
         if answer[-1][0] in tokenizer.eos_token_ids:  # cpchat stops before the end-of-turn token
             answer = answer[:-1]
-        if not kv and answer:
-            in_float32 = sequence_logprobs(float32, ids + [t for t, _ in answer])[len(ids) - 1:]
-        noise = max((abs(lp - o) for (_, lp), o in zip(answer, in_float32)), default=0.0)
+        prompt = len(new) - 1  # positions of the new tokens before the answer's (with kv_bits)
+        if not kv:  # over the answer
+            in_dtype, prompt = [], 0
+            sequence = ids + tokens[:len(answer)]
+            in_float32 = sequence_logprobs(float32, sequence)[len(ids) - 1:] if answer else []
+        noise = max([abs(a - b) for a, b in zip(in_dtype[:prompt], in_float32[:prompt])]
+                    + [abs(lp - b) for (_, lp), b in zip(answer, in_float32[prompt:])], default=0.0)
         print(json.dumps({"answer": answer, "noise": noise}), flush=True)
 
 
-def forced_logprobs(model, cache: list, new: list[int], answer: list[int], kv: dict) -> list[float]:
-    """The logprobs of `answer` after `new`, read into `cache` in the calls mlx-lm's generate_step makes
-    (the prompt in chunks but its last token, then a token a call, quantizing after each), each answer
-    token read as if sampled."""
+def forced_logprobs(model, cache: list, new: list[int], answer: list[int], reads: int,
+                    kv: dict) -> list[float]:
+    """Each token's logprob after those before it, over `new` (from its second token on) and `answer`:
+    the first `reads` of their tokens (those the generation's own cache read) read into `cache` in the
+    calls mlx-lm's generate_step makes (the prompt in chunks but its last token, then a token a call,
+    quantizing after each), each answer token read as if sampled."""
     from mlx_lm.generate import maybe_quantize_kv_cache
 
-    def call(tokens: list[int]) -> mx.array:
-        logits = model(mx.array([tokens]), cache=cache)[0, -1].astype(mx.float32)
-        maybe_quantize_kv_cache(cache, kv["quantized_kv_start"], kv["kv_group_size"], kv["kv_bits"])
-        return logits - mx.logsumexp(logits)
+    sequence = new + answer
 
-    while len(new) > 1:
-        n = min(2048, len(new) - 1)
-        call(new[:n])
-        new = new[n:]
-    logprobs, out = call(new), []
-    for token in answer:
-        out.append(float(logprobs[token]))
-        logprobs = call([token])
-    return out
+    def call(start: int, end: int) -> list[float]:
+        """Read sequence[start:end]; the logprobs of the tokens after each."""
+        logits = model(mx.array([sequence[start:end]]), cache=cache)[0].astype(mx.float32)
+        maybe_quantize_kv_cache(cache, kv["quantized_kv_start"], kv["kv_group_size"], kv["kv_bits"])
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        targets = sequence[start + 1:end + 1]
+        return logprobs[mx.arange(len(targets)), mx.array(targets)].tolist() if targets else []
+
+    out, start = [], 0
+    while len(new) - start > 1:
+        end = start + min(2048, len(new) - 1 - start)
+        out += call(start, end)
+        start = end
+    for start in range(len(new) - 1, reads):
+        out += call(start, start + 1)
+    return out[:len(sequence) - 1]
 
 
 if __name__ == "__main__":
