@@ -32,7 +32,8 @@ from cpchat.smallmodels import write_model
 
 DATA = Path(__file__).parent / "data"
 TEXTS = json.loads((DATA / "smollm2-llamacpp-tokens.json").read_text(encoding="utf-8"))["texts"]
-CORPUS = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8").splitlines()
+# a long English text with code and numbers in it: the README of November 2026, kept as it was
+CORPUS = (Path(__file__).parent / "data" / "cpchat-notes.md").read_text(encoding="utf-8").splitlines()
 
 
 def quiet(_line: str) -> None:

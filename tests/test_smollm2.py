@@ -81,7 +81,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 def document(tokenizer, tokens: int) -> str:
     """The start of a document about this project (its README of November 2026), about `tokens` long."""
-    text = (ROOT / "tests" / "data" / "smollm2-document.md").read_text(encoding="utf-8")
+    text = (ROOT / "tests" / "data" / "cpchat-notes.md").read_text(encoding="utf-8")
     return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:tokens])
 
 
