@@ -1,4 +1,4 @@
-"""Design §6 failure: a rank that dies (SIGKILL) or hangs (SIGSTOP) in the middle of a
+"""docs/design.md §6, failure: a rank that dies (SIGKILL) or hangs (SIGSTOP) in the middle of a
 generation is named, with the phase, within 5 s; headless exits 3; the survivors drop the
 request, and answer exactly once the ring is re-formed (smaller, with a replacement, or with
 the stopped rank back)."""

@@ -1,4 +1,4 @@
-"""The headless CLI contract of design §1, through the real `cpchat` command."""
+"""The headless CLI contract of docs/design.md §1, through the real `cpchat` command."""
 
 from __future__ import annotations
 

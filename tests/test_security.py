@@ -1,4 +1,4 @@
-"""Design §6 trust: the cluster token on every RPC (control and ring), TLS, and validation of
+"""docs/design.md §6, trust: the cluster token on every RPC (control and ring), TLS, and validation of
 every frame and request; a refused caller changes nothing and the rank keeps serving."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a generation reports to its front end (TUI or headless).
 
 These plain dataclasses are the client's public vocabulary: the headless
-`--json` events of design §1 are exactly `asdict()` of those in EVENT_NAMES,
+`--json` events of docs/design.md §1 are exactly `asdict()` of those in EVENT_NAMES,
 with an "event" key added.
 """
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from cpchat.protocol import cpchat_pb2 as pb
 
-# gRPC Python moves 4 MiB messages faster than larger ones (design §4); measured on the ring
+# gRPC Python moves 4 MiB messages faster than larger ones (docs/design.md §4); measured on the ring
 # with 16 MiB blocks, interleaved: 0.59-1.01 GB/s per link in 4 MiB frames, 0.44-0.70 in 16 MiB.
 CHUNK_BYTES = 4 << 20
 MAX_TENSORS = 12  # the largest block: Ulysses' queries, their positions and packed K/V (9)
