@@ -114,6 +114,18 @@ def test_auto_shares_follow_the_measured_speeds(clusters, model_dir):
     assert cluster.equally_fast
 
 
+def test_a_rank_measures_a_model_once(clusters, model_dir):
+    """A rank that loads a model it measured before keeps that measurement (switching back costs no
+    calibration; a CPU quota, above, makes it measure again); another model it measures."""
+    llama, qwen3 = model_dir("llama"), model_dir("qwen3")
+    cluster = clusters.get(2, llama)
+    first = list(cluster.rank_costs)
+    cluster.load(str(qwen3))
+    other = list(cluster.rank_costs)
+    cluster.load(str(llama))
+    assert cluster.rank_costs == first and other != first
+
+
 def test_balanced_shares_even_out_the_ranks_times():
     fast = PrefillCost(0.01, 1e-4, 2e-9, 0.0, 3e-9)
     slow = PrefillCost(0.01, 3e-4, 6e-9, 0.0, 9e-9)

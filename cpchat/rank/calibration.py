@@ -8,6 +8,7 @@ same ids, on its MLX thread."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from cpchat import blas
 from cpchat.core.attention import partial_attention
 from cpchat.core.estimate import PrefillCost, line_through, rank_pairs
 from cpchat.core.memory import ForwardMemory
@@ -133,22 +135,17 @@ def exchange_latency(ring: Ring, request_id: str, abort: threading.Event) -> flo
     return (time.perf_counter() - t0) / LATENCY_ROUNDS
 
 
-def measure_prefill(model, info: ModelShape) -> tuple[PrefillCost, ForwardMemory]:
-    """Time this model here: attention of 1024 queries over 2048 keys for each query-key pair's cost,
-    in tiles with every pair visible and in tiles with a causal mask (a prefill's tiles are that
-    large, cpchat.core.estimate); then a forward of a few tokens and one long enough to take about
-    0.6 s more (up to 1024 tokens), less their own attention at those costs, for the weights' work.
-    Each is the median of a few runs, not the fastest: a prefill sums many such calls, the odd slow
-    one included. The short forward has MIN_ROWS tokens a row, so both run the products a prefill
-    runs (below that, a low-precision model's run MLX's native kernels, many times slower a token).
-    The same two forwards' peak memory, less the K/V they stored, gives what a forward of T tokens
-    allocates for its activations; a forward of one token a row, a decode step's cost."""
-    layer, queries, keys = info.first_attention, 1024, 2048
-    q = mx.random.normal((1, layer.query_heads, queries, layer.key_dim))
-    k = mx.random.normal((1, layer.key_heads, keys, layer.key_dim))
-    v = mx.random.normal((1, layer.key_heads, keys, layer.value_dim))
+@functools.cache
+def attention_pair_s(query_heads: int, key_heads: int, key_dim: int, value_dim: int, cpu_allowance: float,
+                     threads: int) -> tuple[float, float]:
+    """Seconds a query-key pair of one layer's attention takes in a prefill's tiles, every pair visible
+    and under a causal mask: measured once per shape in a rank's life (for the CPU time and the BLAS
+    threads it has then), whatever model it loads."""
+    queries, keys = 1024, 2048
+    q = mx.random.normal((1, query_heads, queries, key_dim))
+    k = mx.random.normal((1, key_heads, keys, key_dim))
+    v = mx.random.normal((1, key_heads, keys, value_dim))
     mx.eval(q, k, v)
-    layers = info.num_layers - len(info.linear)
 
     def per_pair_s(first_query: int, key_count: int, warm_up: int = 0) -> float:
         """Seconds a pair, the queries from `first_query` on over the first `key_count` keys (after
@@ -161,11 +158,27 @@ def measure_prefill(model, info: ModelShape) -> tuple[PrefillCost, ForwardMemory
             return time.perf_counter() - start
 
         runs = [once() for _ in range(warm_up + 5)][warm_up:]
-        return statistics.median(runs) / (queries * key_count) * layers
+        return statistics.median(runs) / (queries * key_count)
 
     # A freshly loaded rank's first few tiles ran up to twice as slowly as the rest (measured).
     visible = per_pair_s(keys, keys, warm_up=4)  # every pair visible
-    masked = max(per_pair_s(0, queries), visible)  # one tile on the diagonal: a causal mask
+    return visible, max(per_pair_s(0, queries), visible)  # one tile on the diagonal: a causal mask
+
+
+def measure_prefill(model, info: ModelShape) -> tuple[PrefillCost, ForwardMemory]:
+    """Time this model here: each query-key pair's attention cost (`attention_pair_s`); then a forward
+    of a few tokens and one long enough to take about 0.6 s more (up to 1024 tokens), less their own
+    attention at those costs, for the weights' work.
+    Each is the median of a few runs, not the fastest: a prefill sums many such calls, the odd slow
+    one included. The short forward has MIN_ROWS tokens a row, so both run the products a prefill
+    runs (below that, a low-precision model's run MLX's native kernels, many times slower a token).
+    The same two forwards' peak memory, less the K/V they stored, gives what a forward of T tokens
+    allocates for its activations; a forward of one token a row, a decode step's cost."""
+    layer = info.first_attention
+    layers = info.num_layers - len(info.linear)
+    visible, masked = (layers * c for c in attention_pair_s(layer.query_heads, layer.key_heads, layer.key_dim,
+                                                            layer.value_dim, blas.cpu_allowance(),
+                                                            blas.in_use().threads))
     attention = PrefillCost(0, 0, visible, 0, masked)
     groups = max(layer.query_heads // layer.key_heads, 1)
     peaks: dict[int, int] = {}

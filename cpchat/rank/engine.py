@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from cpchat import blas
 from cpchat.core.algorithms import BY_NAME
 from cpchat.core.estimate import PrefillCost
 from cpchat.core.memory import ForwardMemory
@@ -58,6 +59,7 @@ class Engine:
         self.layer_calls: dict[int, LayerCall] = {}
         self.prefill_cost = PrefillCost(0, 0, 0)  # of the loaded model, measured once when it loads
         self.forward_memory = ForwardMemory(0, 0)  # likewise
+        self._measured: dict[tuple, tuple[PrefillCost, ForwardMemory]] = {}
         self.weight_bytes = 0
         self.keep_floor = 0
         self.model_name = ""
@@ -73,7 +75,11 @@ class Engine:
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         if mx.default_device() == mx.cpu:
             self.weight_bytes += keep_float32_weights(self.model, free_bytes // COPY_SHARE)
-        self.prefill_cost, self.forward_memory = measure_prefill(self.model, self.info)
+        # Measured once a model per process, for the CPU time and the BLAS threads the rank has then.
+        key = (self.info.identity, self.weight_bytes, blas.cpu_allowance(), blas.in_use().threads)
+        if key not in self._measured:
+            self._measured[key] = measure_prefill(self.model, self.info)
+        self.prefill_cost, self.forward_memory = self._measured[key]
         self.kv = KVShard(self.info.num_layers, self.info.linear, kv_format)
         self.states = StateStore()
         self.total_tokens = 0
