@@ -97,7 +97,7 @@ def test_sliding_layers_forget_old_keys_and_turns_stay_exact(clusters, variant_d
     history: list[int] = []
     turns = zip((90, 30, 7), ("ulysses", "all_gather", "auto"), strict=True)
     for turn, (length, algorithm) in enumerate(turns):
-        session.algorithm = algorithm
+        session.planner.algorithm = algorithm
         new = random_prompt(path, length, seed=300 + turn)
         got, events = next_turn(session, new)
         history += new

@@ -51,7 +51,7 @@ def test_hybrid_matches_mlx_lm(clusters, model_dir, arch, ranks):
         assert {s.algorithm for s in cluster.stats_once()} <= {"decode_exchange", "decode_ring"}
         session = raw_session(cluster, path, "auto", MAX_TOKENS)
         for alone in ("lead", "gather"):
-            session.decode = alone
+            session.planner.decode = alone
             with pytest.raises(BadInput, match=f"linear layers keep a state .* a {alone} decode step"):
                 next_turn(session, ids)
 
@@ -75,7 +75,7 @@ def test_turns_go_on_from_the_stored_state(clusters, model_dir, arch):
     session = raw_session(cluster, path, "auto", MAX_TOKENS)
     history: list[int] = []
     for turn, (length, algorithm) in enumerate(zip((40, 9, 1), ("pass_kv", "ulysses", "auto"), strict=True)):
-        session.algorithm = algorithm
+        session.planner.algorithm = algorithm
         new = random_prompt(path, length, seed=400 + turn)
         got, events = next_turn(session, new)
         assert prefill_event(events).cached_tokens == max(len(history) - 1, 0)  # not the last answer token

@@ -91,6 +91,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Session:
+    # Set on purpose only: the prefill algorithm and the decode step are the planner's now, and an
+    # attribute of the old name would be ignored without a word.
+    __slots__ = ("_cancel", "cluster", "held", "keep_floor", "last_choice", "messages", "planner",
+                 "prefix_cache", "raw", "raw_history", "sampling", "save_min_tokens", "saved",
+                 "state_positions", "tokenizer", "turn_index")
+
     def __init__(
         self,
         cluster: Cluster,

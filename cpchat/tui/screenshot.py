@@ -1,5 +1,6 @@
 """Render the README screenshot: the real app, real local ranks, a document attached, a question answered.
 
+    python -m cpchat.tui.screenshot --all      # every picture the README and the docs show
     python -m cpchat.tui.screenshot [--model DIR] [--out assets/screenshot] [--size 100x30] [--panels]
 
 Writes OUT.svg (app.save_screenshot) and OUT.png (via rsvg-convert or cairosvg, when installed).
@@ -59,8 +60,13 @@ async def capture(model: str, out: Path, document: Path, question: str, size: tu
         cairosvg.svg2png(url=svg, write_to=png, scale=0.8)
 
 
+# Every picture the README and the docs show (docs/assets links to them): name, size, panels shown.
+PICTURES = (("screenshot", (100, 30), False), ("screenshot-panels", (140, 40), True))
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--all", action="store_true", help="render every picture the docs show, into assets/")
     p.add_argument("--model", default="")
     p.add_argument("--out", type=Path, default=REPO_ASSETS / "screenshot")
     p.add_argument("--doc", type=Path, default=bundled("sample-doc.txt"))
@@ -68,8 +74,10 @@ def main() -> None:
     p.add_argument("--size", default="100x30", help="terminal columns x rows")
     p.add_argument("--panels", action="store_true", help="press Ctrl+B first")
     args = p.parse_args()
-    size = tuple(int(n) for n in args.size.split("x"))
-    asyncio.run(capture(args.model, args.out, args.doc.resolve(), args.question, size, args.panels))
+    shots = [(REPO_ASSETS / name, size, panels) for name, size, panels in PICTURES] if args.all else \
+        [(args.out, tuple(int(n) for n in args.size.split("x")), args.panels)]
+    for out, size, panels in shots:
+        asyncio.run(capture(args.model, out, args.doc.resolve(), args.question, size, panels))
 
 
 if __name__ == "__main__":
