@@ -76,7 +76,7 @@ class Engine:
         if mx.default_device() == mx.cpu:
             self.weight_bytes += keep_float32_weights(self.model, free_bytes // COPY_SHARE)
         # Measured once a model per process, for the CPU time and the BLAS threads the rank has then.
-        key = (self.info.identity, self.weight_bytes, blas.cpu_allowance(), blas.in_use().threads)
+        key = (self.info.files, self.weight_bytes, blas.cpu_allowance(), blas.in_use().threads)
         if key not in self._measured:
             self._measured[key] = measure_prefill(self.model, self.info)
         self.prefill_cost, self.forward_memory = self._measured[key]

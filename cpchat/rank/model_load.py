@@ -38,6 +38,7 @@ class ModelShape:
     latent: bool = False  # MLA layers: keys and values are a compressed latent
     kv_format: KVFormat = FULL_PRECISION
     identity: str = ""  # the model's files and the settings its K/V depend on (prefix_cache.model_identity)
+    files: str = ""  # the model's files on this device alone: what its speed depends on
 
     @property
     def linear(self) -> frozenset[int]:
@@ -95,6 +96,7 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION):
     settings = {"device": str(mx.default_device()), "kv_bytes": first.dtype_bytes,
                 "kv_format": [kv_format.bits, kv_format.group_size, kv_format.start]}
     info.identity = model_identity(local, settings)
+    info.files = model_identity(local, {"device": settings["device"]})
     return model, info
 
 
