@@ -30,8 +30,10 @@ def variant_dir(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("ranks, algorithm",
-                         [(1, "pass_kv"), (2, "pass_kv"), (3, "pass_q"), (3, "all_gather"), (4, "ulysses")])
+@pytest.mark.parametrize("ranks, algorithm", [  # two ranks in the fast tier, every count in the whole suite
+    pytest.param(1, "pass_kv", marks=pytest.mark.slow), (2, "pass_kv"),
+    *(pytest.param(n, a, marks=pytest.mark.slow) for n, a in ((3, "pass_q"), (3, "all_gather"),
+                                                               (4, "ulysses")))])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_architecture_matches_mlx_lm(clusters, variant_dir, name, ranks, algorithm):
     path = variant_dir(name)
@@ -86,6 +88,7 @@ def test_length_dependent_rope_is_served_up_to_its_exact_length(clusters, varian
         run_raw(cluster, path, random_prompt(path, 60, seed=1), "pass_kv", MAX_TOKENS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss"])
 def test_sliding_layers_forget_old_keys_and_turns_stay_exact(clusters, variant_dir, name):
     """Sliding-window layers drop the keys no later query can see: three turns through 3 ranks hold

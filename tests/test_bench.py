@@ -15,6 +15,7 @@ from cpchat.bench.compare_mlx_lm import exchange_wait_ms
 from cpchat.client.launcher import rank_environment
 
 
+@pytest.mark.slow
 def test_bench_writes_results(tmp_path, model_dir):
     out = tmp_path / "bench"
     result = subprocess.run(
@@ -94,6 +95,7 @@ def test_bench_writes_results(tmp_path, model_dir):
     assert f"| cpchat N=2 shm | {used} | {blas.shared_threads(2)} | 128 |" in table
 
 
+@pytest.mark.slow
 def test_bench_compares_algorithms(tmp_path):
     """--algorithms: every algorithm's TTFT per (model, N, context) cell, auto's pick and gap, decode
     over both exchanges, and each link's latency; on a GQA (4:1) and an MHA (4:4) model."""
@@ -156,6 +158,7 @@ def test_bench_compares_algorithms(tmp_path):
         assert heading in table
 
 
+@pytest.mark.slow
 def test_bench_prefix_cache(tmp_path):
     """--prefix-cache on the demo model at a tiny context: a second session on new ranks loads the first
     one's prefix from disk, on one rank and on two, and the report says so."""

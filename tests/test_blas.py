@@ -92,6 +92,7 @@ def test_a_rank_refuses_a_blas_it_cannot_load(no_openblas, capsys):
     assert "cpchat rank: --blas openblas: no openblas library found" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ranks_reexecute_onto_their_blas_and_report_it(tmp_path, model_dir):
     """Started by hand without LD_PRELOAD, a rank finds the fastest BLAS itself; `--blas reference`
     drops an inherited preload. Health reports each, and the headless front end shows both and
@@ -127,6 +128,7 @@ def test_ranks_reexecute_onto_their_blas_and_report_it(tmp_path, model_dir):
             r.stop()
 
 
+@pytest.mark.slow
 def test_the_app_launches_its_ranks_on_the_blas_asked_for(model_dir):
     done = subprocess.run(
         [sys.executable, "-m", "cpchat", "--headless", "--json", "--ranks", "2", "--blas", "reference",
@@ -154,6 +156,7 @@ def test_cores_are_shared_out_at_least_one_thread_each():
     assert env == {"PATH": "/bin", **threads, "OPENBLAS_THREAD_TIMEOUT": "4"}  # idle threads sleep soon
 
 
+@pytest.mark.slow
 def test_local_ranks_run_the_threads_they_are_given_and_report_them(tmp_path, model_dir):
     """One launched rank takes every core; `--threads` wins over the share; a rank started in an
     environment with other thread settings re-executes itself with its own. Health reports what

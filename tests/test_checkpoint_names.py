@@ -56,6 +56,7 @@ def expected_ids(path: Path) -> list[int]:
     return [t for t, _ in reference_generate(path, ids, 5)]
 
 
+@pytest.mark.slow
 def test_an_ollama_model_runs_through_ranks(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("OLLAMA_MODELS", str(ollama_store(tmp_path / "store", tiny_gguf)))
     result = run(["--headless", "--json", "--raw", "--model", "ollama:tiny:q8", "--ranks", "2",
@@ -86,6 +87,7 @@ def test_a_missing_ollama_model_exits_2_with_one_line(tiny_gguf, tmp_path, monke
                    "ollama:tiny:q8: the manifest names sha256-")
 
 
+@pytest.mark.slow
 def test_attached_ranks_convert_a_gguf_on_their_own_disks(tiny_gguf, tmp_path, monkeypatch):
     """Each rank converts the file into its own cache; the front end converts only the tokenizer."""
     disks = [tmp_path / f"rank-{i}-cache" for i in range(2)]

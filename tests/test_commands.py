@@ -202,6 +202,7 @@ def test_every_command_has_a_case():
     assert set(CASES) == {c.name for c in COMMANDS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", [slash, palette])
 async def test_every_command_runs_its_action(tmp_path, route):
     document = tmp_path / "orion notes.txt"

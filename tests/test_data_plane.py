@@ -28,6 +28,7 @@ def expected_links(n: int) -> list[list[str]]:
             for i in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("ranks", "arch"), [(2, "qwen3"), (3, "llama"), (4, "mistral")])
 def test_every_algorithm_through_mx_distributed(clusters, model_dir, ranks, arch):
     path = model_dir(arch)
@@ -46,6 +47,7 @@ def test_every_algorithm_through_mx_distributed(clusters, model_dir, ranks, arch
             assert all(sent) if length == 2001 else not any(sent)
 
 
+@pytest.mark.slow
 def test_turns_through_mx_distributed_and_a_re_formed_ring(clusters, model_dir):
     """Follow-up turns on one cache; then the same ranks form a new ring on the group they formed."""
     path = model_dir("qwen2")
@@ -65,6 +67,7 @@ def test_turns_through_mx_distributed_and_a_re_formed_ring(clusters, model_dir):
     assert_same(run_raw(cluster, path, ids, "ulysses", 6)[0], reference_generate(path, ids, 6))
 
 
+@pytest.mark.slow
 def test_bfloat16_travels_bit_for_bit(clusters, checkpoint):
     """The same bfloat16 checkpoint gives the very same logprobs over the group as over shared
     memory (whose exactness against mlx-lm test_low_precision checks)."""
@@ -101,6 +104,7 @@ def test_which_backend_the_ranks_share():
     assert cluster.data_plane_backend() == ""  # one rank has no pairs
 
 
+@pytest.mark.slow
 def test_headless_names_the_data_plane(model_dir):
     path = model_dir("llama")
     command = ["--headless", "--ranks", "2", "--transport", "mlx", "--model", str(path), "--raw", "--temp",
@@ -110,6 +114,7 @@ def test_headless_names_the_data_plane(model_dir):
     assert json.loads(done.stdout.splitlines()[0])["transport"] == "mlx"
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_prefill_is_named_and_the_survivors_answer(model_dir, tmp_path):
     path = model_dir("llama")
     token = write_token(tmp_path / "token", "data-plane-token")

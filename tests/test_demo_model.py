@@ -64,6 +64,7 @@ def test_position_places_the_first_fact() -> None:
         assert lo <= at <= hi, (position, at)
 
 
+@pytest.mark.slow
 def test_prose_pools_split_by_source() -> None:
     train, heldout = load_pool("train"), load_pool("heldout")
     assert not {s.name for s in train} & {s.name for s in heldout}
@@ -188,6 +189,7 @@ def sample_answers() -> list[str]:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_demo_model_answers_sample_questions(sample_answers: list[str]) -> None:
     assert sample_answers == [a for _, a in SAMPLE_QA]
 
@@ -210,6 +212,7 @@ def headless_answers() -> list[str]:
             for turn in range(len(HEADLESS_QA))]
 
 
+@pytest.mark.slow
 def test_headless_with_two_ranks_answers_from_the_sample_document(headless_answers: list[str]) -> None:
     assert headless_answers == [a for _, a in HEADLESS_QA]
 
@@ -255,6 +258,7 @@ def held_out(clusters) -> tuple[list[tuple[str, str, str, str]], list[str], dict
     return rows, answers, tokens
 
 
+@pytest.mark.slow
 def test_one_and_four_ranks_give_the_same_answers(held_out) -> None:
     _, answers, tokens = held_out
     assert tokens[1] == tokens[4]

@@ -42,6 +42,7 @@ def test_short_prompts_all_algorithms(clusters, model_dir, arch, ranks):
             assert used == (session.last_choice.algorithm if algorithm == "auto" else algorithm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["pass_kv", "pass_q", "all_gather", "ulysses"])
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("arch", ARCHS)
@@ -73,6 +74,7 @@ def test_local_ranks_send_through_shared_memory(clusters, model_dir):
         cluster.ranks[2].address, cluster.link_transports = address, links
 
 
+@pytest.mark.slow
 def test_every_algorithm_over_grpc_alone(clusters, model_dir):
     """The gRPC data plane (what ranks on other hosts use) gives the same answers."""
     path = model_dir("qwen3")

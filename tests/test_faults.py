@@ -87,6 +87,7 @@ def gone(rank: RankProc) -> bool:
     return not psutil.pid_exists(rank.pid)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_prefill_names_the_rank_and_layer(ring3, deep_model):
     ranks, cluster, _ = ring3
     victim = ranks[2]
@@ -105,6 +106,7 @@ def test_sigkill_mid_prefill_names_the_rank_and_layer(ring3, deep_model):
     answers_exactly([r.address for r in ranks[:2]], deep_model, seed=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
 def test_a_rank_killed_or_stopped_mid_prefill_headless_exits_3_within_5_s(ring3, deep_model, tmp_path, sig):
     """Through the real CLI: the fault lands once rank 0 reports itself busy with the long prompt. A
@@ -134,6 +136,7 @@ def test_a_rank_killed_or_stopped_mid_prefill_headless_exits_3_within_5_s(ring3,
 
 
 
+@pytest.mark.slow
 def test_a_stopped_local_rank_is_killed_and_the_front_end_exits_within_5_s(deep_model, tmp_path):
     """The front end's own ranks: a stopped one would answer Shutdown never (it used to be waited
     for, a minute); it is killed, and nothing is left behind."""
@@ -159,6 +162,7 @@ def test_a_stopped_local_rank_is_killed_and_the_front_end_exits_within_5_s(deep_
         p.kill()
         p.wait()
 
+@pytest.mark.slow
 def test_a_slow_rank_is_not_taken_for_a_stopped_one(ring3, deep_model):
     """Rank 1 runs half a second in every two and a half (stopped, then continued, over and over: slower
     than any machine a ring should hold) and the answer comes, exact: its beats pause for 2 s at most."""
@@ -243,6 +247,7 @@ def decodes_for_a_while(model: Path) -> None:
     assert len(tokens) == 30 and not set(tokens) & set(tokenizer.eos_token_ids)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_decode_then_a_replacement_joins(ring3, deep_model, tmp_path):
     ranks, _, token = ring3
     decodes_for_a_while(deep_model)
@@ -266,6 +271,7 @@ def test_sigkill_mid_decode_then_a_replacement_joins(ring3, deep_model, tmp_path
         stop_all(replacement)
 
 
+@pytest.mark.slow
 def test_sigstop_hang_is_detected_and_the_rank_rejoins(ring3, deep_model):
     ranks, _, token = ring3
     decodes_for_a_while(deep_model)

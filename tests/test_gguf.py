@@ -121,6 +121,7 @@ def test_other_types_are_requantized_and_say_so(tmp_path, kind, bits):
     assert (error <= step + 1e-3 * np.abs(groups).max(-1)).all()  # within a step, scales in float16
 
 
+@pytest.mark.slow
 def test_mixed_quantized_gguf_through_ranks_equals_mlx_lm(clusters, made, tmp_path):
     """A file of several block types (the embedding Q8_0, attention Q5_0, MLP Q4_1, the head Q5_1)
     becomes a model of 8-, 5- and 4-bit layers; greedy tokens through 2 and 3 ranks are mlx-lm's,
@@ -252,6 +253,7 @@ def test_unknown_architecture_is_refused_by_name(good_gguf, tmp_path):
         mlx_config(read_gguf(write_foreign_gguf(tmp_path / "bert.gguf")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make, words", [
     (lambda good, bad: bad.write_text("not a model\n"), "is not a GGUF file"),
     (lambda good, bad: bad.write_bytes(good.read_bytes()[:5000]), "is truncated"),

@@ -74,6 +74,7 @@ def listed_services(channel: grpc.Channel, metadata=()) -> set[str]:
     return {s.name for reply in replies for s in reply.list_services_response.service}
 
 
+@pytest.mark.slow
 def test_health_follows_the_rank_state(rank, model_dir):
     """NOT_SERVING until a model is loaded, SERVING once it is, and still SERVING while it generates."""
     address, channel = rank
@@ -101,6 +102,7 @@ def test_health_follows_the_rank_state(rank, model_dir):
         cluster.close()
 
 
+@pytest.mark.slow
 def test_a_failed_load_without_a_model_stays_not_serving(rank):
     address, channel = rank
     cluster = Cluster([address])

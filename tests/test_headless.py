@@ -26,6 +26,7 @@ from cpchat.core.sharding import rank_tokens
 SAMPLE_DOC = Path(__file__).resolve().parents[1] / "assets" / "sample-doc.txt"
 
 
+@pytest.mark.slow
 def test_json_events_match_mlx_lm(model_dir):
     path = model_dir("llama")
     # It starts with an existing file's path: a headless prompt goes as written, nothing attached
@@ -64,6 +65,7 @@ def test_json_events_match_mlx_lm(model_dir):
     assert all(r["kv_bytes"] > 0 and r["rss_bytes"] > 0 for r in done["ranks"])
 
 
+@pytest.mark.slow
 def test_plain_output_and_stdin_turns_share_one_conversation(model_dir):
     """Three raw stdin turns equal one single-process run over the whole history."""
     path = model_dir("qwen2")
@@ -89,6 +91,7 @@ def test_plain_output_and_stdin_turns_share_one_conversation(model_dir):
     assert plain.stdout == "".join(e["text"] for e in first) + "\n"
 
 
+@pytest.mark.slow
 def test_documents_reach_the_prompt(model_dir, tmp_path):
     path = model_dir("llama")
     doc = tmp_path / "notes.txt"
@@ -111,6 +114,7 @@ def filler(count: int) -> list[str]:
     return [p for p in paragraphs if "code" not in p and "number" not in p][:count]
 
 
+@pytest.mark.slow
 def test_demo_model_answers_from_a_pdf_page_and_a_folder_file(tmp_path):
     """The shipped model, through 2 ranks: a fact on page 2 of a PDF, and one in a file of a dropped
     folder whose .gitignore hides a decoy with another value."""
@@ -134,6 +138,7 @@ def test_demo_model_answers_from_a_pdf_page_and_a_folder_file(tmp_path):
         assert value in result.stdout and "99999" not in result.stdout, (doc.name, result.stdout)
 
 
+@pytest.mark.slow
 def test_prefill_progress_events_and_plain_progress_on_stderr(tmp_path):
     """A long prompt through 2 ranks reports its prefill: JSON `progress` events at most 4 a second,
     ending with every new token processed; plain mode says it on stderr only with --progress."""
@@ -164,6 +169,7 @@ def test_prefill_progress_events_and_plain_progress_on_stderr(tmp_path):
             assert re.fullmatch(r"cpchat: prefill ([\d,]+)/\1 new tokens \(100 %\), [\d.]+ s", lines[-1])
 
 
+@pytest.mark.slow
 def test_a_prompt_past_the_context_exits_2_with_both_numbers(tmp_path):
     from cpchat.smallmodels import write_model
 
@@ -200,6 +206,7 @@ def test_the_demo_model_is_described_by_its_model_card():
     assert description.startswith("the built-in demo model, " + first[0].lower() + first[1:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -222,6 +229,7 @@ def test_bad_input_exits_2_with_one_line(model_dir, args, words):
     one_line_error(run(["--headless"] + args, timeout=60), 2, words)
 
 
+@pytest.mark.slow
 def test_unreachable_rank_exits_3(model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -233,6 +241,7 @@ def test_unreachable_rank_exits_3(model_dir):
     one_line_error(result, 3, f"rank 0 (127.0.0.1:{port}) is unreachable")
 
 
+@pytest.mark.slow
 def test_unsupported_architecture_is_refused(tmp_path):
     """A model of Mamba-2 layers only (no attention layer) loads in mlx-lm but not in cpchat, which runs
     hybrids: it is refused, saying why."""
@@ -264,6 +273,7 @@ SIGINT_DEFAULT_EXEC = ("import os, signal, sys; signal.signal(signal.SIGINT, sig
                        "os.execv(sys.executable, [sys.executable, '-m', 'cpchat', *sys.argv[1:]])")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_ranks_never_outlive_the_front_end(model_dir, sig):
     p = subprocess.Popen(

@@ -37,6 +37,7 @@ def offline(hub_home, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, arch", [("acme/tiny-chat", "llama"), ("acme/tiny-chat@v2", "qwen3"),
                                         (f"acme/tiny-chat@{V2}", "qwen3")])
 def test_hub_id_from_the_cache_through_ranks(offline, model_dir, name, arch):

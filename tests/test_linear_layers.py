@@ -32,6 +32,7 @@ HYBRIDS = ("qwen3_next", "qwen3_5", "nemotron_h")
 MAX_TOKENS = 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_hybrid_matches_mlx_lm(clusters, model_dir, arch, ranks):
@@ -56,6 +57,7 @@ def test_hybrid_matches_mlx_lm(clusters, model_dir, arch, ranks):
                 next_turn(session, ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])
 def test_a_long_prompt_through_four_ranks(clusters, model_dir, arch):
     path = model_dir(arch)
@@ -65,6 +67,7 @@ def test_a_long_prompt_through_four_ranks(clusters, model_dir, arch):
     assert_same(got, reference_generate(path, ids, MAX_TOKENS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
 def test_turns_go_on_from_the_stored_state(clusters, model_dir, arch):
     """Three turns through 3 ranks: each later turn prefills only its new tokens, from the state the
@@ -91,6 +94,7 @@ def test_turns_go_on_from_the_stored_state(clusters, model_dir, arch):
                 reference_generate(path, rewritten, MAX_TOKENS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["bfloat16", "q4g64"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])  # qwen3_next: MLX's CPU has float32 experts only
 def test_low_precision_hybrids(clusters, model_dir, tmp_path_factory, arch, form):

@@ -30,6 +30,7 @@ def assert_within_noise(path, ids, got):
     assert worst <= 1.5 * noise, f"logprobs off by {worst:.4f}; mlx-lm's own noise is {noise:.4f}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("form", FORMS)
 def test_checkpoint_forms_through_ranks(clusters, checkpoint, form, ranks):
@@ -42,6 +43,7 @@ def test_checkpoint_forms_through_ranks(clusters, checkpoint, form, ranks):
         assert_within_noise(path, ids, got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["bfloat16", "q4g64"])
 def test_follow_up_turns_in_low_precision(clusters, checkpoint, form):
     """Three questions about one document through 3 ranks (all-gather, then Ulysses, then auto), each
@@ -72,6 +74,7 @@ def float32_bytes(model) -> int:
     return 4 * sum(float32_weight(m).size for m in layers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["bfloat16", "q4g64"])
 def test_a_rank_keeps_float32_weights_within_its_memory(clusters, checkpoint, form):
     """A rank on the CPU decodes from float32 copies of a small model's weights, and counts them."""

@@ -114,6 +114,7 @@ def limited(model_dir, tmp_path_factory):
         yield cluster
 
 
+@pytest.mark.slow
 def test_ranks_report_free_memory_under_their_limit_and_a_forwards_cost(limited):
     free = limited.free_memory()
     rss = [s.rss_bytes for s in limited.stats_once()]
@@ -160,6 +161,7 @@ def uneven(model_dir, tmp_path_factory):
         yield cluster
 
 
+@pytest.mark.slow
 def test_auto_shares_give_the_rank_with_room_the_tokens_the_other_cannot_hold(uneven, model_dir):
     """A prompt rank 0 cannot hold its equal share of: refused under equal shares with the shares that
     would hold it named; under auto those shares, rank 1 taking the most (not run: too long here)."""
@@ -177,6 +179,7 @@ def test_auto_shares_give_the_rank_with_room_the_tokens_the_other_cannot_hold(un
     assert shortfall(roomy, "pass_kv", uneven.forward_memory, uneven.free_memory(), 4, ["r", "r"]) is None
 
 
+@pytest.mark.slow
 def test_headless_refuses_with_one_line_and_exit_2(model_dir, tmp_path):
     prompt = tmp_path / "long.txt"
     prompt.write_text("word " * 20_000)  # 60,001 tokens: inside the context
@@ -192,6 +195,7 @@ def test_headless_refuses_with_one_line_and_exit_2(model_dir, tmp_path):
     assert "prefill should take" not in result.stderr, "no estimate for a prefill that will not run"
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_the_tui_says_why_a_prompt_is_not_sent(limited, model_dir, tmp_path):
     session = raw_session(limited, model_dir("llama"), "pass_kv", max_tokens=4)
@@ -215,6 +219,7 @@ async def test_the_tui_says_why_a_prompt_is_not_sent(limited, model_dir, tmp_pat
         assert app.chat.backend.session.messages[0].docs == []
 
 
+@pytest.mark.slow
 def test_cpchat_plan_prints_a_line_per_rank_and_whether_it_fits(model_dir):
     result = subprocess.run([sys.executable, "-m", "cpchat", "plan", "--model", str(model_dir("llama")),
                              "--context", "4K", "--ranks", "2", "--max-tokens", "16", "--shares", "3,1",

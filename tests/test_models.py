@@ -109,6 +109,7 @@ def test_what_cannot_run_says_why(on_machine):
     assert sum(not m.runs for m in found.values()) == 3
 
 
+@pytest.mark.slow
 def test_list_models_prints_the_table_and_json_lines(on_machine):
     env = {**os.environ, "HF_HUB_CACHE": str(on_machine / "hub"), "OLLAMA_MODELS": str(on_machine / "ollama"),
            "CPCHAT_MODEL_DIRS": str(on_machine / "models")}
@@ -157,6 +158,7 @@ async def until(pilot, condition, what: str, timeout: float = 30.0) -> None:
         await pilot.pause(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_the_model_picker_lists_them_greys_what_cannot_run_and_filters(on_machine, tmp_path):

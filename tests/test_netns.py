@@ -147,6 +147,7 @@ def established(ns: str, peer: str) -> bool:
     return bool(out.strip())
 
 
+@pytest.mark.slow
 def test_ranks_on_separate_hosts_match_mlx_lm(hosts, remote_ranks, model_dir):
     ranks, token = remote_ranks
     path = model_dir("llama")
@@ -163,6 +164,7 @@ def test_ranks_on_separate_hosts_match_mlx_lm(hosts, remote_ranks, model_dir):
         assert established(ns, attach[(i + 1) % RANKS])
 
 
+@pytest.mark.slow
 def test_ranks_on_separate_hosts_through_mx_distributed(remote_ranks, model_dir):
     """--transport mlx across hosts: the ranks form an mx.distributed ring group over the bridge."""
     ranks, token = remote_ranks
@@ -192,6 +194,7 @@ NETEM = ["netem", "delay", "5ms", "rate", "1gbit"]
 TBF = ["tbf", "rate", "1gbit", "burst", "256kb", "latency", "50ms"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qdisc", [NETEM, TBF], ids=["netem-delay-5ms-rate-1gbit", "tbf-rate-1gbit"])
 def test_shaped_links_via_hostfile(hosts, remote_ranks, model_dir, tmp_path, qdisc):
     if not hosts.supports(qdisc):
@@ -211,6 +214,7 @@ def test_shaped_links_via_hostfile(hosts, remote_ranks, model_dir, tmp_path, qdi
         assert 1000 / evs[-1]["decode_tokens_per_s"] >= 5.0
 
 
+@pytest.mark.slow
 def test_link_down_is_detected_and_the_host_rejoins(hosts, remote_ranks, model_dir):
     ranks, token = remote_ranks
     path = model_dir("llama")
@@ -334,6 +338,7 @@ def launch(sshd_env: dict, hostfile: Path, model: Path, *extra: str) -> subproce
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | sshd_env)
 
 
+@pytest.mark.slow
 def test_launch_over_ssh_matches_mlx_lm_and_stops_the_ranks(hosts, sshd, model_dir, tmp_path):
     path = model_dir("llama")
     hostfile = tmp_path / "hosts.json"  # mlx.launch's form
@@ -348,6 +353,7 @@ def test_launch_over_ssh_matches_mlx_lm_and_stops_the_ranks(hosts, sshd, model_d
     assert wait_gone(launched_ranks) == [], "a launched rank outlived the front end"
 
 
+@pytest.mark.slow
 def test_a_host_that_refuses_ssh_is_named_and_nothing_is_left(hosts, sshd, model_dir, tmp_path):
     refusing = hosts.addresses[-1]
     hostfile = tmp_path / "hosts"
@@ -360,6 +366,7 @@ def test_a_host_that_refuses_ssh_is_named_and_nothing_is_left(hosts, sshd, model
     assert wait_gone(launched_ranks) == []
 
 
+@pytest.mark.slow
 def test_a_launched_rank_killed_mid_answer_is_named_and_the_rest_stop(hosts, sshd, model_dir, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("".join(f"{a}:{SSH_PORT}\n" for a in hosts.addresses[:2]))

@@ -74,6 +74,7 @@ def empty_cache():
     yield prefix_dir()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_a_new_session_loads_the_document_and_answers_as_mlx_lm(clusters, model_dir, ranks, empty_cache):
     """Every algorithm prefills the rest after the load; a turn after the reload goes on from memory."""
@@ -147,6 +148,7 @@ def test_a_second_question_saves_nothing_new(clusters, model_dir, empty_cache):
     assert len(files) == 4 and set(saved) < set(files)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_hybrid_model_reloads_its_linear_states(clusters, model_dir, ranks, empty_cache):
     """Linear layers' states are saved where the ranks kept them: where the documents end (the prompt
@@ -188,6 +190,7 @@ def sliding_model(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("sliding") / "m", arch, **options)
 
 
+@pytest.mark.slow
 def test_a_sliding_window_model_reloads_keys_it_had_forgotten(clusters, sliding_model, empty_cache):
     """The ranks forget keys outside the windows after the prompt, but save them first: a new question
     on the same document reloads it (windows of 8, a document of 70 tokens) and is exact, then and on
@@ -206,6 +209,7 @@ def test_a_sliding_window_model_reloads_keys_it_had_forgotten(clusters, sliding_
     assert_same(got, mlx_lm_generate(path, history + more, MAX_TOKENS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved_by, loaded_by", [(2, 3), (4, 1)])
 def test_a_ring_of_another_size_reshards_from_the_saved_shards(clusters, model_dir, saved_by, loaded_by,
                                                               empty_cache):
@@ -219,6 +223,7 @@ def test_a_ring_of_another_size_reshards_from_the_saved_shards(clusters, model_d
     assert sum(r.kv_tokens for r in done_event(events).ranks) == len(session.held)  # each token once
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["bfloat16", "q4g64"])
 def test_low_precision_checkpoints_reload_within_their_noise(clusters, checkpoint, form, empty_cache):
     """Greedy tokens identical to mlx-lm's over the whole prompt, logprobs within 1.5x of its own noise."""
@@ -335,6 +340,7 @@ def headless(args: list[str], cache: Path) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
+@pytest.mark.slow
 def test_separate_headless_runs_reuse_and_race_for_the_document(tmp_path):
     """Two runs at once on one document (both save it: one whole file per shard), then a third run,
     with new ranks, loads it and answers as a run without the cache does."""
@@ -389,6 +395,7 @@ def test_cache_settings_come_from_flags_environment_and_config(tmp_path, monkeyp
     assert not settings.cache and settings.sources["cache"] == "flag --cache"
 
 
+@pytest.mark.slow
 def test_a_terminated_rank_finishes_its_files(model_dir, tmp_path):
     """SIGTERM stops a rank cleanly: it finishes the prefix files it is writing, then exits 0."""
     from cpchat.client.cluster import Cluster

@@ -81,6 +81,7 @@ def checkpoint_path(checkpoint, form: str):
     return DEMO_MODEL if form == "float32" else checkpoint(form)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("form", ["float32", "bfloat16", "q4g64"])
 def test_kv_bits_through_ranks(clusters, references, checkpoint, form, bits):
@@ -117,6 +118,7 @@ def test_kv_bits_through_ranks(clusters, references, checkpoint, form, bits):
                 assert_as_mlx_lm(got, expected, form != "float32")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks, algorithm", [(2, "pass_kv"), (3, "all_gather"), (4, "ulysses")])
 def test_a_prompt_past_the_first_chunk(clusters, references, ranks, algorithm):
     """2,300 tokens: mlx-lm reads the first 2,048 in full precision and the rest quantized; so does
@@ -135,6 +137,7 @@ def test_a_prompt_past_the_first_chunk(clusters, references, ranks, algorithm):
     assert [b for _, b in packed] == [b * (4 / 8 + 2 * 4 / 32) / 4 for _, b in plain]
 
 
+@pytest.mark.slow
 def test_default_group_size_and_a_hybrid_model(clusters, references, tmp_path):
     """Groups of 64 (mlx-lm's default) on 64-wide heads; and Nemotron-H, whose Mamba layers keep their
     state in full precision while its attention layer's K/V are quantized, as in mlx-lm."""
@@ -153,6 +156,7 @@ def test_default_group_size_and_a_hybrid_model(clusters, references, tmp_path):
             history += [t for t, _ in got]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, options, says", [
     ("mistral", {"sliding_window": 8}, "sliding-window layers keep a rotating cache"),
     ("gpt_oss", {}, "sliding-window layers"),
@@ -180,6 +184,7 @@ def test_sinks_are_refused_by_name():
         check_kv_format(shape)
 
 
+@pytest.mark.slow
 def test_headless_kv_bits(tmp_path):
     """The flags reach the ranks; bad values are one line and exit 2; the done event's kv_bytes are the
     packed bytes; the prefix cache keeps the packed form and a later session loads it exactly."""

@@ -69,6 +69,7 @@ def link_frame(cluster: Cluster, **fields) -> pb.Frame:
     return frame
 
 
+@pytest.mark.slow
 def test_every_rpc_needs_the_token(secured, model_dir):
     rank = secured.ranks[0]
     ring = pb_grpc.RingStub(rank.channel)
@@ -251,6 +252,7 @@ def test_a_rank_that_cannot_load_the_model_says_which_and_why(secured, model_dir
     assert_still_serves(secured, model_dir("llama"), seed=6)
 
 
+@pytest.mark.slow
 def test_second_front_end_is_refused_while_a_generation_runs(secured, model_dir):
     path = model_dir("llama")
     ids = random_prompt(path, 9, seed=5)
@@ -303,6 +305,7 @@ def test_tls_refuses_clients_without_the_ca(tls_ring):
         assert stub.Health(pb.HealthRequest(), timeout=5, metadata=AUTH).pid == ranks[0].pid
 
 
+@pytest.mark.slow
 def test_headless_over_tls_matches_mlx_lm(tls_ring, model_dir):
     """The front end verifies the ranks, and each rank verifies its next neighbour (ring over TLS)."""
     ranks, certs, _, token = tls_ring
@@ -319,6 +322,7 @@ def test_headless_over_tls_matches_mlx_lm(tls_ring, model_dir):
     assert tokens == [t for t, _ in reference_generate(path, ids, 5)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ca, words", [(None, "is unreachable (if it serves TLS, pass --tls-ca)"),
                                        ("other", "failed the TLS check: its certificate is not signed")])
 def test_front_end_without_the_ca_names_the_rank(tls_ring, ca, words):

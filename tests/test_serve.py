@@ -102,6 +102,7 @@ def headless(model: Path, prompt: str, max_tokens: int, raw: bool = False) -> li
 PROMPT = "Tell me about the quick brown fox."
 
 
+@pytest.mark.slow
 def test_answers_equal_the_headless_greedy_answer_token_for_token(server, model):
     expected = headless(model, PROMPT, 8)
     text = "".join(e["text"] for e in expected)
@@ -184,6 +185,7 @@ def test_a_client_that_goes_away_frees_the_ranks(server, model):
     server.until(lambda h: not h["running"] and h["cancelled"] == before + 2, "the ranks freed again")
 
 
+@pytest.mark.slow
 def test_what_is_refused_and_the_server_goes_on(server, model):
     client = server.client()
     user = [{"role": "user", "content": "Hi"}]
@@ -233,6 +235,7 @@ def test_past_the_queue_bound_429_with_retry_after(server, model):
     assert len(answers) == QUEUE, "every waiting request answered once the ranks were free"
 
 
+@pytest.mark.slow
 def test_fifty_requests_from_four_clients_all_answered_memory_flat(server, model):
     client = server.client(timeout=300)
     server.until(lambda h: not h["running"], "an idle server")

@@ -88,6 +88,7 @@ def test_a_hybrids_states_cross_unequal_chunks(clusters, model_dir):
         assert_same(got, reference_generate(path, ids, MAX_TOKENS))
 
 
+@pytest.mark.slow
 def test_auto_shares_follow_the_measured_speeds(clusters, model_dir):
     """Local ranks with the same CPU allowance keep equal shares whatever their calibrations say; one
     held to half a core by a CPU quota (a cgroup, as the bench does) reports it, measures itself

@@ -25,6 +25,8 @@ from cpchat.checkpoints.named import named_gguf
 from cpchat.client.events import Token
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 
+pytestmark = pytest.mark.slow  # a real checkpoint, its 4-bit references
+
 ROOT = Path(__file__).resolve().parents[1]
 # Downloads outlive a test session here (CI starts from nothing and fetches once).
 DOWNLOADS = Path(os.environ.get("CPCHAT_TEST_DOWNLOADS", Path.home() / ".cache" / "cpchat-tests"))

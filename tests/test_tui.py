@@ -158,6 +158,7 @@ async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
     assert saved[1].text == app.chat.conversation.entries[-1].text
 
 
+@pytest.mark.slow
 async def test_ranks_on_the_reference_blas_are_flagged_with_the_fix(model, tmp_path):
     cluster = Cluster.launch(1, blas_choice="reference")
     try:
@@ -242,6 +243,7 @@ async def answer_to(pilot: Pilot, typed: str, choice: str | None = None) -> None
     assert not isinstance(app.screen, AttachTyped)
 
 
+@pytest.mark.slow
 async def test_a_typed_path_is_offered_for_attaching(make_app, tmp_path, monkeypatch):
     """A message that starts with an existing file's or folder's path asks; Enter attaches it and sends
     the question, Esc sends the message as typed; a missing path, or a file's bare name, is sent
@@ -296,6 +298,7 @@ def drop_forms(a: Path, b: Path) -> dict[str, tuple[str, list[Path]]]:
     }
 
 
+@pytest.mark.slow
 async def test_paste_of_paths_attaches_in_every_form(make_app, tmp_path):
     a = tmp_path / "notes with spaces.txt"
     a.write_text("The vault code is 4812-KX.\n" * 20)
@@ -354,6 +357,7 @@ async def test_attach_command_and_bad_files(make_app, tmp_path):
         assert app.chat.turns_done == 0 and app.query_one(ChatInput).text == ""
 
 
+@pytest.mark.slow
 async def test_dropped_pdf_and_folder_attach_with_format_pages_and_files(make_app, tmp_path):
     pdf = write_pdf(tmp_path / "site report.pdf", ["Opening.", "The vault code is 4812-KX.", "End."])
     folder = tmp_path / "notes"
@@ -419,6 +423,7 @@ async def test_escape_stops_the_reading_of_a_large_document(make_app, tmp_path, 
         assert app.chat.turns_done == 0
 
 
+@pytest.mark.slow
 async def test_a_prompt_past_the_context_asks_first(clusters, tmp_path_factory, tmp_path):
     """The budget dialog: Back keeps everything, Remove drops that attachment and sends, Send anyway sends."""
     short = write_model(tmp_path_factory.mktemp("short") / "llama", "llama", max_position_embeddings=160)
@@ -476,6 +481,7 @@ async def test_the_prefill_estimate_counts_down_or_stays_silent():
         assert str(label.render()) == "Prefill, layer 2/8"
 
 
+@pytest.mark.slow
 async def test_escape_stops_the_answer_and_keeps_it(make_app):
     app = make_app(max_tokens=4000)
     async with app.run_test(size=SIZE) as pilot:
@@ -503,6 +509,7 @@ async def run_palette(pilot: Pilot, query: str) -> None:
     await pilot.pause()
 
 
+@pytest.mark.slow
 async def test_palette_actions(make_app):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -551,6 +558,7 @@ async def test_transcript_resumes(make_app):
         assert again.chat.backend.session.last_choice.cached_tokens == 0  # nothing of it was held
 
 
+@pytest.mark.slow
 async def test_a_resumed_conversation_loads_its_saved_prefix(make_app, monkeypatch):
     """The ranks saved the conversation at the end of its turn; reopened (the ranks' memory emptied),
     its next turn loads that from disk instead of re-reading it, and the Ring panel says so."""
@@ -580,6 +588,7 @@ async def test_a_resumed_conversation_loads_its_saved_prefix(make_app, monkeypat
         assert "loaded from disk" in again.query_one(StatusStrip).render().plain
 
 
+@pytest.mark.slow
 async def test_conversation_list_opens_renames_and_deletes(make_app, tmp_path):
     """Two conversations, then the palette's list: rename the first, delete the second, open the first."""
     app = make_app()
@@ -621,6 +630,7 @@ async def test_conversation_list_opens_renames_and_deletes(make_app, tmp_path):
         assert app.chat.conversation.entries == shown and app.chat.conversation.store.path == first
 
 
+@pytest.mark.slow
 async def test_model_switch_reloads_every_rank_and_keeps_the_conversation(make_app, clusters, model_dir):
     app = make_app()
     other = model_dir("qwen3")
@@ -663,6 +673,7 @@ def test_print_config_and_startup_failure(capsys, monkeypatch):
     assert err == ["cpchat: model path /no/such/model does not exist"]
 
 
+@pytest.mark.slow
 async def test_dead_rank_turns_red_and_relaunch_continues(make_app, clusters):
     """Runs last: it breaks the shared cluster on purpose and drops it."""
     app = make_app()
@@ -702,6 +713,7 @@ class ProgressApp(CpchatApp):
     CHAT_SCREEN = ProgressChat
 
 
+@pytest.mark.slow
 async def test_hub_model_downloads_with_progress_then_answers(model, tmp_path, monkeypatch):
     """`--model ORG/NAME` not yet in the hub cache: the app downloads it (the one stubbed part: the
     network; the files land in a real hub cache layout) with progress in the work bar, then its own
@@ -739,6 +751,7 @@ async def test_hub_model_downloads_with_progress_then_answers(model, tmp_path, m
         assert assistant_messages(app) and app.chat.backend.cluster.model.name == "acme/tiny-chat"
 
 
+@pytest.mark.slow
 async def test_a_gguf_model_is_converted_with_progress_then_answers(model_dir, tmp_path):
     """`--model FILE.gguf`: converted once, with its progress in the work bar and a notice saying where
     to; then the local ranks load it and answer."""
@@ -756,6 +769,7 @@ async def test_a_gguf_model_is_converted_with_progress_then_answers(model_dir, t
         assert assistant_messages(app)
 
 
+@pytest.mark.slow
 async def test_a_hybrid_model_shows_its_state_and_how_linear_layers_ran(make_app, model_dir):
     """Qwen3.5's Gated DeltaNet layers through the ranks: each Ranks row shows the recurrent state's bytes
     beside the KV, and the Ring panel says how the linear layers crossed the ring."""
@@ -769,6 +783,7 @@ async def test_a_hybrid_model_shows_its_state_and_how_linear_layers_ran(make_app
         assert "layers linear (gated_delta_update)" in str(app.query_one("#ring-reason").render())
 
 
+@pytest.mark.slow
 async def test_quantized_kv_shows_its_packed_bytes(make_app):
     """--kv-bits 4: the Ranks panel says so and shows each rank's packed K/V bytes (the demo model: 6 layers
     of 6 heads, 32 wide, keys and values at half a byte a value and a float32 scale and bias per 32)."""

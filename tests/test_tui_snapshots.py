@@ -150,6 +150,7 @@ def test_snapshot_welcome_to_the_demo_model(snap_compare, monkeypatch, size):
     assert snap_compare(make_app(), terminal_size=size, run_before=run_before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [(80, 24), (100, 30), (120, 40), (200, 60)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("toggled", [False, True], ids=["as-opened", "ctrl-b"])
 def test_snapshot_sizes(snap_compare, tmp_path, size, toggled):

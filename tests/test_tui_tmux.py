@@ -16,7 +16,7 @@ from rankprocs import ranks_started_with
 
 from cpchat.client.settings import bundled
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+pytestmark = [pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux"), pytest.mark.slow]
 
 
 class Tmux:
