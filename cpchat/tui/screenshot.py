@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,7 +63,7 @@ async def capture(model: str, out: Path, document: Path, question: str, size: tu
 
 
 # Every picture the README and the docs show (docs/assets links to them): name, size, panels shown.
-PICTURES = (("screenshot", (100, 30), False), ("screenshot-panels", (140, 40), True))
+PICTURES = (("screenshot", (100, 30), False), ("screenshot-panels", (140, 40), False))
 
 
 def main() -> None:
@@ -77,6 +79,10 @@ def main() -> None:
     shots = [(REPO_ASSETS / name, size, panels) for name, size, panels in PICTURES] if args.all else \
         [(args.out, tuple(int(n) for n in args.size.split("x")), args.panels)]
     for out, size, panels in shots:
+        # A new user's app each time: no saved conversation, panel choice or prefix cache
+        home = Path(tempfile.mkdtemp(prefix="cpchat-screenshot-"))
+        for var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME"):
+            os.environ[var] = str(home / var.lower())
         asyncio.run(capture(args.model, out, args.doc.resolve(), args.question, size, panels))
 
 
