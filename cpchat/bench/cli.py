@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.prefix_cache:
             return prefix_cache.run_prefix_cache(args, command_line(argv))
         return compare_algorithms.run_comparison(args, command_line(argv))
-    return compare_mlx_lm.run_comparison(args, blas_modes)
+    return compare_mlx_lm.run_comparison(args, blas_modes, command_line(argv))
 
 
 def counts(flag: str, text: str) -> list[int]:

@@ -22,7 +22,7 @@ from cpchat import blas
 from cpchat.bench.baseline import document_ids, prompt_ids
 from cpchat.bench.charts import Lines, write_context_chart
 from cpchat.bench.models import in_form, source_model
-from cpchat.bench.report import command_line, machine, write_report
+from cpchat.bench.report import machine, write_report
 from cpchat.bench.transport import MB, ring_link, run_transport, transport_table
 from cpchat.checkpoints import CheckpointError
 from cpchat.client.cluster import TRANSPORTS, Cluster
@@ -68,7 +68,7 @@ class SystemRow:
         return statistics.median(values) if values else 0.0
 
 
-def run_comparison(args, blas_modes: list[str]) -> int:
+def run_comparison(args, blas_modes: list[str], command: str) -> int:
     """The default mode of `cpchat bench`, one run per BLAS in `blas_modes`; returns the exit status."""
     kv_heads = int(args.kv_heads) if args.kv_heads and args.kv_heads.isdigit() else None
     if args.kv_heads and kv_heads is None:
@@ -107,7 +107,7 @@ def run_comparison(args, blas_modes: list[str]) -> int:
     sizes = [s * MB for s in args.transport]
     transport = run_transport(sizes, args.repeats) if sizes else []
     out = Path(args.out)
-    write_results(out, rows, transport, args, model, time.time() - started)
+    write_results(out, rows, transport, args, model, command, time.time() - started)
     print(f"wrote {out / 'results.md'}", file=sys.stderr)
     return 0
 
@@ -321,9 +321,8 @@ def hidden_share(cluster: Cluster, ids: list[int], args, bandwidth: float) -> tu
     return (max(0.0, 1.0 - waited / transfer) if transfer else 0.0), sent
 
 
-def write_results(out: Path, rows: list[SystemRow], transport: list[dict], args, model: str,
+def write_results(out: Path, rows: list[SystemRow], transport: list[dict], args, model: str, command: str,
                   seconds: float) -> None:
-    command = command_line()
     base = {(r.context, r.blas, r.kv_bits): r for r in rows if r.system.startswith("mlx-lm")}
     plain = {(r.system.removesuffix(_kv_label(KVFormat(r.kv_bits))), r.context, r.blas): r
              for r in rows if not r.kv_bits}
