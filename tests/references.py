@@ -32,6 +32,7 @@ import mlx_reference as oracle
 import numpy as np
 
 from cpchat import blas
+from cpchat.bench.report import machine as bench_machine
 from cpchat.client.launcher import rank_environment
 from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
 
@@ -133,18 +134,9 @@ def model_digest(path: Path) -> str:
 
 @functools.cache
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
-               platform.processor())
     return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "numpy": np.__version__,
-            "platform": f"{sys.platform} {platform.machine()}", "cpu": cpu,
+            "platform": f"{sys.platform} {platform.machine()}", "cpu": bench_machine()["cpu"],
             "device": str(mx.default_device())}
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
 
 
 @functools.cache
