@@ -4,7 +4,11 @@ same examples on every run, so a red CI means a change broke something."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,6 +31,30 @@ def pytest_report_header(config) -> str:
     store = references.STORE
     held = len(list(store.root.glob("*.json"))) if store.root.is_dir() else 0
     return f"mlx-lm references: {store.root} ({held} stored{'; computing all afresh' if store.fresh else ''})"
+
+
+@contextmanager
+def turn(exclusive: bool) -> Iterator[None]:
+    """Under pytest-xdist, hold this run's lock: shared by ordinary tests, alone by a test marked `alone`
+    (it measures speeds or detection deadlines, which the other worker's load would skew). One
+    process: nothing to wait for."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    with open(Path(tempfile.gettempdir()) / f"cpchat-tests-{run}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Each test, with the module fixtures its setup and teardown start or stop, runs in its turn."""
+    with turn(item.get_closest_marker("alone") is not None):
+        return (yield)
 
 
 @pytest.fixture(scope="session")

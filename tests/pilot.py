@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from textual.command import CommandInput, CommandList, CommandPalette
 from textual.pilot import Pilot
 
 from cpchat.tui.app import CpchatApp
@@ -22,6 +23,24 @@ async def until(pilot: Pilot, condition: Callable[[], object], timeout: float = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or condition}")
         await pilot.pause(0.05)
+
+
+async def run_palette(pilot: Pilot, title: str) -> None:
+    """Ctrl+P, the entry's title searched for, and Enter once it is the first hit: the palette's own search
+    and dispatch (the title is set in one go, not typed a key at a time: one search, not one a key)."""
+    await pilot.press("ctrl+p")
+    await until(pilot, lambda: isinstance(pilot.app.screen, CommandPalette), what="the palette")
+    pilot.app.screen.query_one(CommandInput).value = title
+    commands = pilot.app.screen.query_one(CommandList)
+
+    def first() -> str | None:
+        option = commands.highlighted_option
+        return option.hit.text if option is not None else None
+
+    await until(pilot, lambda: first() == title, what=f"{title} first in the palette")
+    await pilot.press("enter")
+    await until(pilot, lambda: not isinstance(pilot.app.screen, CommandPalette), what="the palette to close")
+    await pilot.pause()
 
 
 async def ready(pilot: Pilot) -> CpchatApp:

@@ -4,13 +4,12 @@ or the backend work it starts (recorded here: no ranks run in these tests)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from textual.command import CommandList, CommandPalette
+from pilot import SIZE, run_palette, until
 from textual.pilot import Pilot
 from textual.widgets import Input, Markdown
 
@@ -24,7 +23,6 @@ from cpchat.tui.messages import TokensArrived, TurnFinished
 from cpchat.tui.screens import AttachmentsScreen, ConversationsScreen, FilePicker, HelpScreen, ModelPicker
 from cpchat.tui.widgets import AttachmentChip, ChatInput, ChatMessage, RingPanel
 
-SIZE = (140, 44)
 pytestmark = pytest.mark.anyio
 
 
@@ -60,14 +58,6 @@ class RecordingApp(CpchatApp):
     CHAT_SCREEN = RecordingChat
 
 
-async def until(pilot: Pilot, condition: Callable[[], object], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.05)
-
-
 # How a command is given: `run(name, argument, title)` types `/name argument`, or picks the palette's
 # entry `title` (the palette takes no argument: the action asks for it, or the entry carries it).
 Run = Callable[[str, str, str], Awaitable[None]]
@@ -87,28 +77,16 @@ def slash(pilot: Pilot) -> Run:
 
 def palette(pilot: Pilot) -> Run:
     async def run(name: str, argument: str, title: str) -> None:
-        await pilot.press("ctrl+p")
-        await until(pilot, lambda: isinstance(pilot.app.screen, CommandPalette), "the palette")
-        await pilot.press(*title)
-        commands = pilot.app.screen.query_one(CommandList)
-
-        def first() -> str | None:
-            option = commands.highlighted_option
-            return option.hit.text if option is not None else None
-
-        await until(pilot, lambda: first() == title, f"{title} first in the palette")
-        await pilot.press("enter")
-        await until(pilot, lambda: not isinstance(pilot.app.screen, CommandPalette), "the palette to close")
-        await pilot.pause()
+        await run_palette(pilot, title)
 
     return run
 
 
 async def on_top(pilot: Pilot, screen: type) -> None:
     """The command opened `screen`; Esc closes it again."""
-    await until(pilot, lambda: isinstance(pilot.app.screen, screen), screen.__name__)
+    await until(pilot, lambda: isinstance(pilot.app.screen, screen), what=screen.__name__)
     await pilot.press("escape")
-    await until(pilot, lambda: pilot.app.screen is pilot.app.chat, "the chat again")
+    await until(pilot, lambda: pilot.app.screen is pilot.app.chat, what="the chat again")
 
 
 def notified(app: CpchatApp, text: str) -> bool:
@@ -121,7 +99,7 @@ async def answered(pilot: Pilot) -> None:
     await chat.show_turn(Entry("user", "Where is Orion?"))
     chat.post_message(TokensArrived("In the winter sky.", 1))
     chat.post_message(TurnFinished())
-    await until(pilot, lambda: not chat.busy and len(chat.conversation.entries) == 2, "the turn's end")
+    await until(pilot, lambda: not chat.busy and len(chat.conversation.entries) == 2, what="the turn's end")
 
 
 # What each command must do, given either way.
@@ -134,12 +112,12 @@ async def attach(pilot: Pilot, run: Run, document: Path) -> None:
         path.focus()
         await pilot.press("enter")
     await until(pilot, lambda: [c.path for c in pilot.app.query(AttachmentChip)] == [document.resolve()],
-                "the chip")
+                what="the chip")
 
 
 async def attachments(pilot: Pilot, run: Run, document: Path) -> None:
     await run("attachments", "", "List attachments")
-    await until(pilot, lambda: isinstance(pilot.app.screen, AttachmentsScreen), "the list")
+    await until(pilot, lambda: isinstance(pilot.app.screen, AttachmentsScreen), what="the list")
     assert document.name in pilot.app.screen.query_one(Markdown).source
     await on_top(pilot, AttachmentsScreen)
 
@@ -154,7 +132,7 @@ async def model(pilot: Pilot, run: Run, document: Path) -> None:
     await run("model", "acme/other-chat", "Switch model")
     if isinstance(pilot.app.screen, ModelPicker):  # from the palette it asks which
         await pilot.press(*"acme/other-chat", "enter")
-    await until(pilot, lambda: chat.started == [("switch_model", "acme/other-chat")], "the switch")
+    await until(pilot, lambda: chat.started == [("switch_model", "acme/other-chat")], what="the switch")
     assert chat.busy  # until the ranks say they switched
     chat.busy = False
     chat.started.clear()
@@ -162,14 +140,14 @@ async def model(pilot: Pilot, run: Run, document: Path) -> None:
 
 async def algorithm(pilot: Pilot, run: Run, document: Path) -> None:
     await run("algorithm", "pass_q", "Algorithm: pass_q")
-    await until(pilot, lambda: pilot.app.query_one(RingPanel).mode == "pass_q", "the ring's mode")
+    await until(pilot, lambda: pilot.app.query_one(RingPanel).mode == "pass_q", what="the ring's mode")
     assert pilot.app.chat.settings.algorithm == "pass_q" and notified(pilot.app, "Ring algorithm: pass_q")
 
 
 async def clear(pilot: Pilot, run: Run, document: Path) -> None:
     await answered(pilot)
     await run("clear", "", "Clear conversation")
-    await until(pilot, lambda: not pilot.app.query(ChatMessage), "an empty transcript")
+    await until(pilot, lambda: not pilot.app.query(ChatMessage), what="an empty transcript")
     assert pilot.app.chat.conversation.entries == [] and notified(pilot.app, "Conversation cleared.")
 
 
@@ -185,7 +163,7 @@ async def export(pilot: Pilot, run: Run, document: Path) -> None:
 async def relaunch(pilot: Pilot, run: Run, document: Path) -> None:
     chat = pilot.app.chat
     await run("relaunch", "", "Relaunch ranks")  # Ctrl+R shows once a rank failed; the command always runs
-    await until(pilot, lambda: chat.started == [("relaunch",)], "the relaunch")
+    await until(pilot, lambda: chat.started == [("relaunch",)], what="the relaunch")
     chat.started.clear()
 
 

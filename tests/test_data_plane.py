@@ -115,6 +115,7 @@ def test_headless_names_the_data_plane(model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_a_rank_killed_mid_prefill_is_named_and_the_survivors_answer(model_dir, tmp_path):
     path = model_dir("llama")
     token = write_token(tmp_path / "token", "data-plane-token")

@@ -28,6 +28,7 @@ from cpchat.smallmodels import write_model
 TOKEN = "fault-test-token"
 AUTH = (("x-cpchat-token", TOKEN),)
 DETECT_S = 5.0
+pytestmark = pytest.mark.alone  # deadlines: another worker's load would eat into them
 PROMPT = "The quick brown fox jumps over the lazy dog. Keys and values travel around the ring."
 
 

@@ -70,6 +70,7 @@ def machine(tmp_path_factory, model_dir, checkpoint):
 def on_machine(machine, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(machine / "hub"))
     monkeypatch.setenv("OLLAMA_MODELS", str(machine / "ollama"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(machine / "cache"))  # nothing fetched yet, whatever ran before
     return machine
 
 

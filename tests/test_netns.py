@@ -215,6 +215,7 @@ def test_shaped_links_via_hostfile(hosts, remote_ranks, model_dir, tmp_path, qdi
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_link_down_is_detected_and_the_host_rejoins(hosts, remote_ranks, model_dir):
     ranks, token = remote_ranks
     path = model_dir("llama")
@@ -367,6 +368,7 @@ def test_a_host_that_refuses_ssh_is_named_and_nothing_is_left(hosts, sshd, model
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_a_launched_rank_killed_mid_answer_is_named_and_the_rest_stop(hosts, sshd, model_dir, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("".join(f"{a}:{SSH_PORT}\n" for a in hosts.addresses[:2]))

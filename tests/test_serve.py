@@ -14,7 +14,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from http.client import HTTPConnection
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import openai
 import pytest
@@ -208,6 +210,16 @@ def test_what_is_refused_and_the_server_goes_on(server, model):
     words = json.dumps({"prompt": "word " * (MAX_BODY // 4)}).encode()
     status, big = http(server.url + "/v1/completions", words)
     assert status == 413 and big["error"]["code"] == "request_too_large"
+    # One that says it is far larger is refused at once, before a byte of it is sent
+    url = urlsplit(server.url)
+    connection = HTTPConnection(url.hostname, url.port, timeout=60)
+    connection.putrequest("POST", "/v1/completions")
+    for name, value in {**AUTH, "Content-Length": str(1000 * MAX_BODY)}.items():
+        connection.putheader(name, value)
+    connection.endheaders()
+    response = connection.getresponse()
+    assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
+    connection.close()
     answer = client.chat.completions.create(model=str(model), messages=user, max_tokens=2,
                                             extra_body={"ignore_eos": True})
     assert answer.usage.completion_tokens == 2 and answer.choices[0].finish_reason == "length"

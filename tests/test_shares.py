@@ -9,6 +9,7 @@ from references import reference_generate
 from cpchat import blas
 from cpchat.bench.compare_algorithms import BenchUsageError
 from cpchat.bench.shares import cpu_quota
+from cpchat.client.cluster import Cluster
 from cpchat.core.estimate import PrefillCost, balanced_shares, rank_seconds
 from cpchat.errors import BadInput
 
@@ -89,15 +90,19 @@ def test_a_hybrids_states_cross_unequal_chunks(clusters, model_dir):
 
 
 @pytest.mark.slow
-def test_auto_shares_follow_the_measured_speeds(clusters, model_dir):
+@pytest.mark.alone
+def test_auto_shares_follow_the_measured_speeds(model_dir):
     """Local ranks with the same CPU allowance keep equal shares whatever their calibrations say; one
     held to half a core by a CPU quota (a cgroup, as the bench does) reports it, measures itself
-    slower when the model loads, and gets the smaller share, which the estimate expects to be faster."""
+    slower when the model loads, and gets the smaller share, which the estimate expects to be faster.
+    Ranks of its own: a pooled rank keeps the measure it made while other tests ran."""
     path = model_dir("llama")
-    cluster = clusters.get(2, path)
-    session = raw_session(cluster, path, "pass_kv", 1)
-    assert cluster.equally_fast and session.planner.shares_for(8192, 0) is None
+    cluster = Cluster.launch(2)
     try:
+        cluster.connect()
+        cluster.load(str(path))
+        session = raw_session(cluster, path, "pass_kv", 1)
+        assert cluster.equally_fast and session.planner.shares_for(8192, 0) is None
         with cpu_quota(cluster.ranks[1].local.process.pid, 0.5):
             cluster.load(str(path))
             assert [r.cpu_allowance for r in cluster.ranks] == [blas.usable_cores(), 0.5]
@@ -108,11 +113,12 @@ def test_auto_shares_follow_the_measured_speeds(clusters, model_dir):
             equal, auto = (max(rank_seconds(costs, 8192, 0, 2, s)) for s in (None, shares))
             assert auto < equal
             assert session.planner.workload(8192, 0).shares == shares  # the memory check sees the same shares
+        cluster.load(str(path))
+        assert cluster.equally_fast
     except BenchUsageError as e:
         pytest.skip(str(e))  # no CPU cgroup to create (not root, or not Linux)
     finally:
-        cluster.load(str(path))
-    assert cluster.equally_fast
+        cluster.close()
 
 
 def test_a_rank_measures_a_model_once(clusters, model_dir):

@@ -16,7 +16,17 @@ import pytest
 from conftest import DEMO_MODEL
 from ggufs import write_gguf
 from makedocs import write_pdf
-from pilot import RANKS, SIZE, assistant_messages, attach_with_question, chips, paste, ready, until
+from pilot import (
+    RANKS,
+    SIZE,
+    assistant_messages,
+    attach_with_question,
+    chips,
+    paste,
+    ready,
+    run_palette,
+    until,
+)
 from textual.pilot import Pilot
 from textual.widgets import Label, Markdown, Static
 
@@ -498,15 +508,6 @@ async def test_escape_stops_the_answer_and_keeps_it(make_app):
         assert last.role == "assistant" and last.text
         assert app.chat.backend.session.messages[-1].content == last.text
         assert len(app.chat.backend.session.tokenizer.encode(last.text)) < 4000
-
-
-async def run_palette(pilot: Pilot, query: str) -> None:
-    await pilot.press("ctrl+p")
-    await until(pilot, lambda: pilot.app.screen.__class__.__name__ == "CommandPalette")
-    await pilot.press(*query)
-    await pilot.pause(0.3)
-    await pilot.press("enter")
-    await pilot.pause()
 
 
 @pytest.mark.slow
