@@ -52,11 +52,11 @@ def rank_processes(root: int) -> list[psutil.Process]:
 
 
 def new_user(home: Path) -> dict[str, str]:
-    """The environment of a user who never ran cpchat: what earlier tests saved (a panel hidden, a model
-    fetched) is not theirs."""
+    """The environment of a user who never ran cpchat (what earlier tests saved is not theirs), in a
+    terminal of tmux's size."""
     dirs = {var: str(home / sub) for var, sub in (("XDG_CONFIG_HOME", "config"), ("XDG_DATA_HOME", "data"),
                                                   ("XDG_CACHE_HOME", "cache"))}
-    # The terminal's size is tmux's: COLUMNS and LINES (pytest-xdist's workers set 80 x 24) would override it.
+    # COLUMNS and LINES (pytest-xdist's workers set 80 x 24) would override the size Textual reads from tmux
     inherited = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     return {**inherited, **dirs, "TERM": "xterm-256color"}
 
