@@ -7,6 +7,13 @@ import os
 from pathlib import Path
 
 
+def new_user(home: Path) -> dict[str, str]:
+    """The XDG variables of a user under `home` who never ran cpchat: no settings, transcripts or
+    caches yet (for a screenshot or a test that must not see what an earlier run saved)."""
+    return {"XDG_CONFIG_HOME": str(home / "config"), "XDG_DATA_HOME": str(home / "data"),
+            "XDG_CACHE_HOME": str(home / "cache")}
+
+
 def config_dir() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "cpchat"

@@ -16,6 +16,7 @@ from hypothesis import settings
 
 from cpchat.client.cluster import Cluster
 from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
+from cpchat.dirs import new_user
 from cpchat.smallmodels import convert_model, write_model
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -133,6 +134,5 @@ def clusters():
 def _isolated_user_dirs(tmp_path_factory):
     """Keep config, data and cache of the app under test out of the real home."""
     home = tmp_path_factory.mktemp("home")
-    for var, sub in (("XDG_CONFIG_HOME", "config"), ("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache")):
-        os.environ[var] = str(home / sub)
+    os.environ.update(new_user(home))
     yield home

@@ -16,6 +16,7 @@ import pytest
 from rankprocs import ranks_started_with
 
 from cpchat.client.settings import bundled
+from cpchat.dirs import new_user
 
 pytestmark = [pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux"), pytest.mark.slow]
 
@@ -51,14 +52,12 @@ def rank_processes(root: int) -> list[psutil.Process]:
     return ranks_started_with("--parent-pid", lambda value: int(value) in family)
 
 
-def new_user(home: Path) -> dict[str, str]:
+def terminal_env(home: Path) -> dict[str, str]:
     """The environment of a user who never ran cpchat (what earlier tests saved is not theirs), in a
     terminal of tmux's size."""
-    dirs = {var: str(home / sub) for var, sub in (("XDG_CONFIG_HOME", "config"), ("XDG_DATA_HOME", "data"),
-                                                  ("XDG_CACHE_HOME", "cache"))}
     # COLUMNS and LINES (pytest-xdist's workers set 80 x 24) would override the size Textual reads from tmux
     inherited = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    return {**inherited, **dirs, "TERM": "xterm-256color"}
+    return {**inherited, **new_user(home), "TERM": "xterm-256color"}
 
 
 def kv_tokens(screen: str) -> list[int]:
@@ -70,7 +69,7 @@ def test_cpchat_runs_in_tmux(model_dir, tmp_path):
     tmux = Tmux(f"cpchat-test-{os.getpid()}")
     command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "cpchat", "--model", str(model),
                                                  "--ranks", "2", "--max-tokens", "8"])
-    env = new_user(tmp_path)
+    env = terminal_env(tmp_path)
     subprocess.run(["tmux", "-L", tmux.socket, "-f", "/dev/null", "new-session", "-d", "-s", "main",
                     "-x", "140", "-y", "44", f"{command}; echo EXIT=$?; sleep 60"], check=True, env=env)
     try:
@@ -100,7 +99,7 @@ def test_a_typed_path_and_a_question_are_answered_from_the_document(tmp_path):
     doc.write_text(bundled("sample-doc.txt").read_text(encoding="utf-8"))
     tmux = Tmux(f"cpchat-typed-{os.getpid()}")
     command = shlex.join([sys.executable, "-m", "cpchat", "--ranks", "2", "--max-tokens", "24"])
-    env = new_user(tmp_path)
+    env = terminal_env(tmp_path)
     subprocess.run(["tmux", "-L", tmux.socket, "-f", "/dev/null", "new-session", "-d", "-s", "main",
                     "-x", "140", "-y", "44", f"{command}; echo EXIT=$?; sleep 60"], check=True, env=env)
     try:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from cpchat.client.settings import REPO_ASSETS, Settings, bundled, resolve_model
+from cpchat.dirs import new_user
 from cpchat.tui.app import CpchatApp
 from cpchat.tui.widgets import AttachmentChip, ChatInput, RanksPanel
 
@@ -80,9 +81,7 @@ def main() -> None:
         [(args.out, tuple(int(n) for n in args.size.split("x")), args.panels)]
     for out, size, panels in shots:
         # A new user's app each time: no saved conversation, panel choice or prefix cache
-        home = Path(tempfile.mkdtemp(prefix="cpchat-screenshot-"))
-        for var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME"):
-            os.environ[var] = str(home / var.lower())
+        os.environ.update(new_user(Path(tempfile.mkdtemp(prefix="cpchat-screenshot-"))))
         asyncio.run(capture(args.model, out, args.doc.resolve(), args.question, size, panels))
 
 
