@@ -507,7 +507,9 @@ async def test_escape_stops_the_answer_and_keeps_it(make_app):
         last = app.chat.conversation.entries[-1]
         assert last.role == "assistant" and last.text
         assert app.chat.backend.session.messages[-1].content == last.text
-        assert len(app.chat.backend.session.tokenizer.encode(last.text)) < 4000
+        # Counted by the ranks: re-encoding a random model's text does not give back its tokens.
+        done = app.chat.side.throughput.done
+        assert done is not None and done.generated_tokens < 4000
 
 
 @pytest.mark.slow
