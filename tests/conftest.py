@@ -16,6 +16,7 @@ from hypothesis import settings
 
 from cpchat.client.cluster import Cluster
 from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
+from cpchat.core.stages import ONE_STAGE, Stages
 from cpchat.dirs import new_user
 from cpchat.smallmodels import convert_model, write_model
 
@@ -96,7 +97,8 @@ class ClusterPool:
         self.clusters: dict[tuple[int, str], Cluster] = {}
         self.loaded: dict[tuple[int, str], str] = {}
 
-    def get(self, ranks: int, model: Path, transport: str = "auto", kv: KVFormat = FULL_PRECISION) -> Cluster:
+    def get(self, ranks: int, model: Path, transport: str = "auto", kv: KVFormat = FULL_PRECISION,
+            stages: Stages = ONE_STAGE) -> Cluster:
         key = (ranks, transport)
         cluster = self.clusters.get(key)
         if cluster is None or any(r.local.process.poll() is not None for r in cluster.ranks):
@@ -105,9 +107,9 @@ class ClusterPool:
             cluster = self.clusters[key] = Cluster.launch(ranks, transport=transport)
             cluster.connect()
             self.loaded.pop(key, None)
-        if self.loaded.get(key) != (str(model), kv):
-            cluster.load(str(model), kv_format=kv)
-            self.loaded[key] = (str(model), kv)
+        if self.loaded.get(key) != (str(model), kv, stages):
+            cluster.load(str(model), kv_format=kv, stages=stages)
+            self.loaded[key] = (str(model), kv, stages)
         cluster.reset(0)
         return cluster
 

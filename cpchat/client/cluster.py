@@ -8,6 +8,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import fields
 from pathlib import Path
 
 import grpc
@@ -30,6 +31,7 @@ from cpchat.client.streams import (
 from cpchat.core.estimate import PrefillCost
 from cpchat.core.memory import ForwardMemory
 from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
+from cpchat.core.stages import ONE_STAGE, Stages
 from cpchat.errors import BackendError, BadInput
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
@@ -84,6 +86,7 @@ class Cluster:
             handle.local = local[i] if local else None
             self.ranks.append(handle)
         self.model: ServedModel | None = None
+        self.stages = 1  # pipeline stages, as the model was loaded
         self.flops_per_s = 0.0
         self.ring_bytes_per_s = 0.0
         self.link_latency_s: list[list[float]] = []  # [from rank][to rank], one way
@@ -123,6 +126,21 @@ class Cluster:
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def ring_size(self) -> int:
+        """The context ranks of each pipeline stage: the ring a prefill's tokens are split over."""
+        return self.size // self.stages
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The ranks of one pipeline stage (all of them for one stage), in ring order."""
+        return list(range(stage * self.ring_size, (stage + 1) * self.ring_size))
+
+    def context_costs(self) -> list[PrefillCost]:
+        """Each context rank's prefill cost: its rows run through every stage, one after another."""
+        return [PrefillCost(*(sum(getattr(self.rank_costs[s * self.ring_size + c], f.name)
+                                  for s in range(self.stages)) for f in fields(PrefillCost)))
+                for c in range(self.ring_size)]
 
     @property
     def is_local(self) -> bool:
@@ -248,10 +266,14 @@ class Cluster:
                 f"OpenBLAS; install a fast one and restart: {slow[0].blas.fix}")
 
     def load(self, model: str, on_progress: Callable[[int, int], None] | None = None,
-             kv_format: KVFormat = FULL_PRECISION) -> ServedModel:
-        """Load the model on every rank (each from its own disk), its K/V kept in `kv_format`."""
+             kv_format: KVFormat = FULL_PRECISION, stages: Stages = ONE_STAGE) -> ServedModel:
+        """Load the model on every rank (each from its own disk), its K/V kept in `kv_format`, the
+        ranks forming `stages` pipeline stages (each rank reads only its stage's layers)."""
+        if self.size % stages.count:
+            raise BadInput(f"--stages {stages.count} does not divide {self.size} ranks into equal stages")
         request = pb.LoadModelRequest(model=model, kv_bits=kv_format.bits, kv_group_size=kv_format.group_size,
-                                      quantized_kv_start=kv_format.start)
+                                      quantized_kv_start=kv_format.start, stages=stages.count,
+                                      stage_layers=stages.layers)
         done = [0]
         lock = threading.Lock()
 
@@ -268,17 +290,23 @@ class Cluster:
                 # Attached ranks load from their own disks: say which one could not.
                 raise BadInput(e.details() if self.is_local else f"{r.label}: {e.details()}") from None
             r.state = "ready"
+            r.stage, r.layers = last.pipeline_stage, (last.first_layer, last.end_layer or last.num_layers)
+            r.weight_bytes, r.state_layers = last.weight_bytes, last.state_layers
             with lock:
                 done[0] += 1
                 if on_progress:
                     on_progress(done[0], self.size)
             return last
 
-        p = self._each(load_one)[0]
+        replies = self._each(load_one)
+        self.stages = stages.count
+        p = replies[0]
+        heads = replies[::self.ring_size]  # a rank of each stage: their layers together are the model's
         self.model = ServedModel(model, p.model_type, p.num_layers, p.num_q_heads, p.num_kv_heads,
-                               p.vocab_size, p.bytes_per_element, p.max_context, p.head_dim, p.value_dim,
-                               p.state_layers, KVFormat(p.kv_bits, p.kv_group_size, kv_format.start),
-                               p.weight_bytes)
+                                 p.vocab_size, p.bytes_per_element, p.max_context, p.head_dim, p.value_dim,
+                                 sum(h.state_layers for h in heads),
+                                 KVFormat(p.kv_bits, p.kv_group_size, kv_format.start),
+                                 max(r.weight_bytes for r in replies), stages.count)
         self.calibrate()
         return self.model
 

@@ -4,6 +4,8 @@ ranks' memory holds it. `cpchat plan` asks it without a conversation."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cpchat.client.cluster import Cluster
 from cpchat.client.events import AlgorithmChoice
 from cpchat.client.memory import MemoryShortfall, shortfall
@@ -24,8 +26,9 @@ class Planner:
                  shares: str = "auto") -> None:
         self.cluster, self.algorithm, self.decode = cluster, algorithm, decode
         self.shares = parse_shares(shares)
-        if isinstance(self.shares, tuple) and len(self.shares) != cluster.size:
-            raise BadInput(f"--shares {shares} gives {len(self.shares)} weights for {cluster.size} ranks")
+        if isinstance(self.shares, tuple) and len(self.shares) != cluster.ring_size:
+            raise BadInput(f"--shares {shares} gives {len(self.shares)} weights for {cluster.ring_size} ranks"
+                           + (" a stage" if cluster.stages > 1 else ""))
 
     def prefill_seconds(self, new: int, keep: int) -> float | None:
         """Seconds a prefill of `new` tokens after `keep` held should take, from the ranks' calibration
@@ -33,7 +36,10 @@ class Planner:
         c = self.cluster
         if not c.rank_costs or not all(cost.per_token_s for cost in c.rank_costs):
             return None
-        return max(rank_seconds(c.rank_costs, new, keep, c.model.groups, self.shares_for(new, keep)))
+        shares = self.shares_for(new, keep)
+        return sum(max(rank_seconds([c.rank_costs[r] for r in c.stage_ranks(s)], new, keep, c.model.groups,
+                                    shares))
+                   for s in range(c.stages))  # the stages run one after another
 
     def shares_for(self, new_tokens: int, cached_tokens: int) -> Shares | None:
         """Each rank's share of a prefill of `new_tokens` (None: equal ones)."""
@@ -42,7 +48,7 @@ class Planner:
             return self.shares
         if self.shares == "equal" or c.equally_fast or not all(x.per_token_s for x in c.rank_costs):
             return None
-        return balanced_shares(c.rank_costs, new_tokens, cached_tokens, c.model.groups)
+        return balanced_shares(c.context_costs(), new_tokens, cached_tokens, c.model.groups)
 
     def memory_shortfall(self, new_tokens: int, cached_tokens: int, algorithm: str, answer_tokens: int
                          ) -> MemoryShortfall | None:
@@ -51,8 +57,17 @@ class Planner:
         c = self.cluster
         if not any(f.fixed_bytes or f.per_token_bytes for f in c.forward_memory):
             return None  # ranks of a cpchat before the check measure no forward's memory
-        return shortfall(self.workload(new_tokens, cached_tokens), algorithm, c.forward_memory,
-                         c.free_memory(), answer_tokens, [r.label for r in c.ranks])
+        free = c.free_memory()
+        for s in range(c.stages):  # each stage's ranks hold the K/V of its layers
+            ranks = c.stage_ranks(s)
+            head = c.ranks[ranks[0]]
+            w = replace(self.workload(new_tokens, cached_tokens),
+                        layers=max(head.layers[1] - head.layers[0] - head.state_layers, 1))
+            refused = shortfall(w, algorithm, [c.forward_memory[r] for r in ranks], [free[r] for r in ranks],
+                                answer_tokens, [c.ranks[r].label for r in ranks])
+            if refused is not None:
+                return refused
+        return None
 
     def prefill_shares(self, new_tokens: int, cached_tokens: int, algorithm: str, answer_tokens: int
                        ) -> Shares | None:
@@ -99,7 +114,7 @@ class Planner:
     def workload(self, new_tokens: int, cached_tokens: int) -> Workload:
         m = self.cluster.model
         head_dim = m.head_dim or 64  # ranks older than the field: the model's own sizes are unknown
-        return Workload(new_tokens, cached_tokens, self.cluster.size, m.num_q_heads, m.num_kv_heads,
+        return Workload(new_tokens, cached_tokens, self.cluster.ring_size, m.num_q_heads, m.num_kv_heads,
                         head_dim, m.value_dim or head_dim, m.bytes_per_element,
                         max(m.attention_layers, 1), m.kv_format, states=m.state_layers > 0,
                         shares=self.shares_for(new_tokens, cached_tokens))

@@ -30,7 +30,8 @@ class ServedModel:
     value_dim: int = 0
     state_layers: int = 0  # of num_layers, those with a recurrent state instead of K/V
     kv_format: KVFormat = FULL_PRECISION  # how the ranks keep K/V (--kv-bits)
-    weight_bytes: int = 0  # on each rank
+    weight_bytes: int = 0  # on the rank that holds the most
+    stages: int = 1  # pipeline stages the ranks form (--stages)
 
     @property
     def attention_layers(self) -> int:
@@ -57,6 +58,10 @@ class RankHandle:
     computes_on_cpu: bool = False  # from Health: no accelerator
     data_plane_backends: tuple[str, ...] = ()  # from Health: mx.distributed backends, fastest first
     data_plane_port: int = 0  # from Health
+    stage: int = 0  # from LoadModel: the pipeline stage it runs
+    layers: tuple[int, int] = (0, 0)  # from LoadModel: the layers [first, end) it runs
+    weight_bytes: int = 0  # from LoadModel: the weights it holds
+    state_layers: int = 0  # from LoadModel: of its layers, those with a recurrent state
 
     @property
     def host(self) -> str:

@@ -311,7 +311,7 @@ class Session:
         load_ms = round(1000 * (time.perf_counter() - t_start), 1)
         if loaded is not None:
             keep, cache = self._kept(full), "disk"
-            yield CacheLoaded(self.turn_index, keep, load_ms, loaded.resharded(self.cluster.size))
+            yield CacheLoaded(self.turn_index, keep, load_ms, loaded.resharded(self.cluster.ring_size))
         self.saved = min(self.saved, keep)  # a rewritten conversation no longer begins like its save
         new = full[keep:]
         choice = self.planner.choose_algorithm(len(new), keep)
@@ -354,7 +354,7 @@ class Session:
                 yield Prefill(turn, len(new), keep, choice.algorithm, round(event.ms, 1), choice.reason,
                               choice.estimates_ms, event.linear_layers, round(event.state_combine_ms, 1),
                               reused_tokens=keep, cache=cache, load_ms=load_ms if cache == "disk" else 0.0,
-                              shares=rank_tokens(len(new), self.cluster.size, shares))
+                              shares=rank_tokens(len(new), self.cluster.ring_size, shares))
             elif isinstance(event, TokenOut):
                 t_last = time.perf_counter()
                 t_first = t_first or t_last

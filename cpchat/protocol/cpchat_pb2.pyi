@@ -38,6 +38,7 @@ class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE: _ClassVar[FrameKind]
     SHARD: _ClassVar[FrameKind]
     NEW_KV: _ClassVar[FrameKind]
+    HIDDEN: _ClassVar[FrameKind]
 ALGORITHM_UNSPECIFIED: Algorithm
 PASS_KV: Algorithm
 PASS_Q: Algorithm
@@ -61,6 +62,7 @@ HALO: FrameKind
 STATE: FrameKind
 SHARD: FrameKind
 NEW_KV: FrameKind
+HIDDEN: FrameKind
 
 class ConfigureRequest(_message.Message):
     __slots__ = ("rank", "addresses", "ring_id", "shm_endpoints", "data_plane_backend", "data_plane_addresses")
@@ -85,19 +87,23 @@ class ConfigureReply(_message.Message):
     def __init__(self, transports: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("model", "kv_bits", "kv_group_size", "quantized_kv_start")
+    __slots__ = ("model", "kv_bits", "kv_group_size", "quantized_kv_start", "stages", "stage_layers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_BITS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZED_KV_START_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     kv_bits: int
     kv_group_size: int
     quantized_kv_start: int
-    def __init__(self, model: _Optional[str] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., quantized_kv_start: _Optional[int] = ...) -> None: ...
+    stages: int
+    stage_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., quantized_kv_start: _Optional[int] = ..., stages: _Optional[int] = ..., stage_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadProgress(_message.Message):
-    __slots__ = ("stage", "model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "bytes_per_element", "max_context", "value_dim", "state_layers", "kv_bits", "kv_group_size", "weight_bytes")
+    __slots__ = ("stage", "model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "bytes_per_element", "max_context", "value_dim", "state_layers", "kv_bits", "kv_group_size", "weight_bytes", "pipeline_stage", "first_layer", "end_layer")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +118,9 @@ class LoadProgress(_message.Message):
     KV_BITS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_STAGE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model_type: str
     num_layers: int
@@ -126,7 +135,10 @@ class LoadProgress(_message.Message):
     kv_bits: int
     kv_group_size: int
     weight_bytes: int
-    def __init__(self, stage: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bytes_per_element: _Optional[int] = ..., max_context: _Optional[int] = ..., value_dim: _Optional[int] = ..., state_layers: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+    pipeline_stage: int
+    first_layer: int
+    end_layer: int
+    def __init__(self, stage: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bytes_per_element: _Optional[int] = ..., max_context: _Optional[int] = ..., value_dim: _Optional[int] = ..., state_layers: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., pipeline_stage: _Optional[int] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
     __slots__ = ("probe_bytes", "rounds")

@@ -109,7 +109,7 @@ def use_float32_products(model: nn.Module) -> int:
     changed = 0
     for _, module in model.named_modules():
         cls = FLOAT32_CLASSES.get(type(module))
-        if cls is not None and _low_precision(module):
+        if cls is not None and module["weight"].size and _low_precision(module):  # size 0: another stage's
             module.__class__ = cls
             changed += 1
     return changed

@@ -24,6 +24,7 @@ from cpchat.rank.kvstore import KVShard
 from cpchat.rank.model_load import ModelShape
 from cpchat.rank.prefix_keeper import PrefixKeeper
 from cpchat.rank.sampling import sample, token_event
+from cpchat.rank.stages import Handoff
 from cpchat.rank.transport.ring import Aborted, Ring
 from cpchat.rank.transport.wire import BlockKey
 
@@ -53,31 +54,38 @@ class Held(Protocol):
 
     def record_no_pass(self, algorithm: str) -> None: ...
 
+    def handoff(self, world: Ring, request_id: str, step: int, abort: threading.Event,
+                context_rank: int) -> Handoff | None: ...
+
 
 class DecodeLoop:
-    """The decode of one request on this rank."""
+    """The decode of one request on this rank. `ring` is its stage's context ring, `world` every rank
+    (the same ring but for pipeline stages): the last stage samples, and every rank takes the token."""
 
-    def __init__(self, held: Held, req: pb.GenerateRequest, ring: Ring, abort: threading.Event) -> None:
-        self.held, self.req, self.ring, self.abort = held, req, ring, abort
+    def __init__(self, held: Held, req: pb.GenerateRequest, world: Ring, ring: Ring,
+                 abort: threading.Event) -> None:
+        self.held, self.req, self.world, self.ring, self.abort = held, req, world, ring, abort
+        place = held.info.place
+        self.sampler = place.world_rank(place.stages - 1, 0)  # the rank that samples each step's token
         self.step_kind = DECODE[req.decode].name
         self.shares = tuple(req.shares) or None
         self.gathered: gathered.Gathered | None = None  # rank 0's view of every rank's K/V in a gather step
         self.handing: deque[tuple[int, int, gathered.NewKV]] = deque()  # its steps' new K/V, to hand on
 
     def sample_and_share(self, source: int, index: int, logits: mx.array | None) -> pb.TokenEvent:
-        """The `source` rank samples token `index` and sends it to every other rank at once."""
-        if self.ring.rank == source:
+        """Rank `source` (of the whole ring) samples token `index` and sends it to every other rank."""
+        if self.world.rank == source:
             sampled = sample(logits, self.req.sampling, index)
             mx.eval(sampled)
             self.share(index, sampled)
             return token_event(sampled)
-        arrays, _ = self.ring.take(BlockKey(self.req.request_id, 0, index, pb.TOKEN), self.abort, source)
+        arrays, _ = self.world.take(BlockKey(self.req.request_id, 0, index, pb.TOKEN), self.abort, source)
         return token_event(arrays)
 
     def share(self, index: int, sampled: list[mx.array]) -> None:
-        if self.ring.size > 1:
-            self.ring.send_all(BlockKey(self.req.request_id, 0, index, pb.TOKEN),
-                               [a.reshape(-1) for a in sampled], self.ring.peers)
+        if self.world.size > 1:
+            self.world.send_all(BlockKey(self.req.request_id, 0, index, pb.TOKEN),
+                                [a.reshape(-1) for a in sampled], self.world.peers)
 
     def threads(self) -> contextlib.AbstractContextManager:
         """In a lead or gather step rank 0 runs the weight products alone, on every core of the machine."""
@@ -95,7 +103,7 @@ class DecodeLoop:
         sampling rank before they step (linear layers' states keep that order too)."""
         held, req, ring = self.held, self.req, self.ring
         alone = ring.size == 1 or (ring.rank == 0 and self.step_kind == "gather")
-        pipelined = alone and not held.info.linear
+        pipelined = alone and not held.info.linear and self.world.size == ring.size  # one stage
 
         def step_ahead(previous: int | mx.array, index: int) -> list[mx.array]:
             quantize_by(held.total_tokens)
@@ -124,8 +132,10 @@ class DecodeLoop:
             else:
                 quantize_by(held.total_tokens)
                 logits = self.step(token)
+                if self.handing:  # a gather step's new K/V, evaluated: to the rank that keeps them
+                    self.hand_on_kv()
                 held.prefix.read_token(token)
-                event = self.sample_and_share(0, index + 1, logits)
+                event = self.sample_and_share(self.sampler, index + 1, logits)
         if ahead is not None:  # built from a stop token: its K/V go
             held.total_tokens -= 1
             held.kv.truncate(held.total_tokens)
@@ -157,10 +167,14 @@ class DecodeLoop:
             logits = None
         else:
             ids = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]])
-            logits = run_model(held.model, ring_pass, ids, row=0, evaluate=evaluate)
+            logits = run_model(held.model, ring_pass, ids, row=0, evaluate=evaluate,
+                               handoff=self.handoff(position))
         held.record(ring_pass)
         held.total_tokens = position + 1
         return logits if ring.rank == 0 else None
+
+    def handoff(self, position: int) -> Handoff | None:
+        return self.held.handoff(self.world, self.req.request_id, position, self.abort, self.ring.rank)
 
     def gather_step(self, token: int | mx.array, position: int, keeper: int,
                     evaluate: bool) -> mx.array | None:
@@ -184,7 +198,8 @@ class DecodeLoop:
                                    kv=self.gathered.new, keeper=keeper, hand_on=True,
                                    held=self.gathered.blocks(held.kv))
         ids = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]])
-        logits = run_model(held.model, ring_pass, ids, row=0, evaluate=evaluate)
+        logits = run_model(held.model, ring_pass, ids, row=0, evaluate=evaluate,
+                           handoff=self.handoff(position))
         held.record(ring_pass)
         self.handing.append((position, keeper, ring_pass.unkept))
         return logits
@@ -193,14 +208,19 @@ class DecodeLoop:
         """After a gather step is evaluated: its new K/V to the rank that keeps them, its token to
         every other rank. On an MLX stream of their own: the default one is evaluating the next step,
         and anything queued behind it would wait for it."""
-        position, keeper, new = self.handing.popleft()
         if not hasattr(_streams, "side"):
             _streams.side = mx.new_stream(mx.cpu)
         with mx.stream(_streams.side):
-            if keeper:  # rank 0's own are in self.gathered.new until the answer ends
-                self.ring.send(gathered.new_kv_key(self.req.request_id, position), gathered.pack_new(new),
-                               to=keeper)
+            self.hand_on_kv()
             self.share(index, sampled)
+
+    def hand_on_kv(self) -> None:
+        """The oldest gather step's new K/V, to the rank that keeps them (rank 0's own stay in
+        self.gathered.new until the answer ends)."""
+        position, keeper, new = self.handing.popleft()
+        if keeper:
+            self.ring.send(gathered.new_kv_key(self.req.request_id, position), gathered.pack_new(new),
+                           to=keeper)
 
     def keep_new(self, position: int, new: gathered.NewKV) -> None:
         kv = self.held.kv

@@ -31,6 +31,7 @@ from cpchat.rank.model_load import ModelShape, load_model
 from cpchat.rank.prefix_cache import CacheMiss, Found
 from cpchat.rank.prefix_keeper import PrefixKeeper
 from cpchat.rank.prefix_shard import restore
+from cpchat.rank.stages import Handoff, StagePlace, context_ring
 from cpchat.rank.statestore import StateStore
 from cpchat.rank.transport.ring import Ring
 
@@ -67,20 +68,23 @@ class Engine:
         # The last token sampled and not yet read (the ring's next position): mlx-lm reads it alone.
         self.unread: tuple[int, int] | None = None
 
-    def load(self, path: str, kv_format: KVFormat = FULL_PRECISION, free_bytes: int = 0) -> ModelShape:
-        """Load a model; on the CPU, with float32 copies of its low-precision weights where they take
-        at most 1/COPY_SHARE of the `free_bytes` the rank may use (cpchat.rank.cpu_products)."""
-        self.model, self.info = load_model(path, kv_format)
+    def load(self, path: str, kv_format: KVFormat = FULL_PRECISION, free_bytes: int = 0,
+             place: Callable[[int], StagePlace] | None = None) -> ModelShape:
+        """Load a model (the layers `place` gives this rank); on the CPU, with float32 copies of its
+        low-precision weights where they take at most 1/COPY_SHARE of the `free_bytes` the rank may
+        use (cpchat.rank.cpu_products)."""
+        self.model, self.info = load_model(path, kv_format, place)
         self.model_name = path
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         if mx.default_device() == mx.cpu:
             self.weight_bytes += keep_float32_weights(self.model, free_bytes // COPY_SHARE)
         # Measured once a model per process, for the CPU time and the BLAS threads the rank has then.
-        key = (self.info.files, self.weight_bytes, blas.cpu_allowance(), blas.in_use().threads)
+        key = (self.info.files, self.info.place, self.weight_bytes, blas.cpu_allowance(),
+               blas.in_use().threads)
         if key not in self._measured:
             self._measured[key] = measure_prefill(self.model, self.info)
         self.prefill_cost, self.forward_memory = self._measured[key]
-        self.kv = KVShard(self.info.num_layers, self.info.linear, kv_format)
+        self.kv = KVShard(self.info.num_layers, self.info.linear, kv_format, self.info.elsewhere)
         self.states = StateStore()
         self.total_tokens = 0
         self.prefix.forget(0)
@@ -153,8 +157,15 @@ class Engine:
                         q_positions=positions, real=real, windows=self.windows, linear=self.info.linear,
                         states=self.states, start=start, seq_len=seq_len, crossing=ATTEND[algorithm])
 
-    def _prefill(self, req: pb.GenerateRequest, tokens: list[int], ring: Ring, abort: threading.Event,
-                 on_layer: Callable[[int], None] | None, request_id: str) -> mx.array | None:
+    def handoff(self, world: Ring, request_id: str, step: int, abort: threading.Event,
+                context_rank: int) -> Handoff | None:
+        """How a forward of a pipeline stage takes and hands on hidden states (None: one stage)."""
+        place = self.info.place
+        return None if place.stages == 1 else Handoff(world, place, request_id, step, abort, context_rank)
+
+    def _prefill(self, req: pb.GenerateRequest, tokens: list[int], world: Ring, ring: Ring,
+                 abort: threading.Event, on_layer: Callable[[int], None] | None,
+                 request_id: str) -> mx.array | None:
         n, start, shares = ring.size, self.total_tokens, _shares(req)
         layout = head_tail_layout(len(tokens), n, ring.rank, shares)
         local = layout.positions()
@@ -165,8 +176,9 @@ class Engine:
         ring_pass = self.ring_pass(request_id, PREFILL[req.algorithm].name, ring, abort, positions, real,
                                    mx.array([start + s for s in layout.starts]), start, len(tokens),
                                    on_layer=on_layer, shares=shares)
-        mine = owner_of(len(tokens) - 1, len(tokens), n, shares) == ring.rank
-        logits = run_model(self.model, ring_pass, ids, row=local.index(len(tokens) - 1) if mine else 0)
+        mine = owner_of(len(tokens) - 1, len(tokens), n, shares) == ring.rank and self.info.place.last_stage
+        logits = run_model(self.model, ring_pass, ids, row=local.index(len(tokens) - 1) if mine else 0,
+                           handoff=self.handoff(world, request_id, start, abort, ring.rank))
         self.record(ring_pass)
         self.total_tokens = start + len(tokens)
         self.prefix.read_prefill(start, tokens, shares)
@@ -193,8 +205,15 @@ class Engine:
     # ---- the generation
 
     def validate(self, req: pb.GenerateRequest, ranks: int) -> None:
+        """Refuse a request this rank cannot run in a ring of `ranks` ranks (all stages')."""
         if self.model is None:
             raise BadRequest("no model is loaded")
+        place = self.info.place
+        if place.stages > 1:
+            if place.stages * place.ring_size != ranks:
+                raise BadRequest(f"the model was loaded as {place.stages} stages of {place.ring_size} ranks, "
+                                 f"but the ring has {ranks}: load it again")
+            ranks = place.ring_size
         if not req.tokens:
             raise BadRequest("the request has no tokens")
         if req.algorithm not in PREFILL:
@@ -220,14 +239,16 @@ class Engine:
     def generate(
         self,
         req: pb.GenerateRequest,
-        ring: Ring,
+        world: Ring,
         abort: threading.Event,
         emit: Callable[[pb.GenerateEvent], None],
     ) -> None:
         """Prefill req.tokens after keep_tokens, then decode; every rank runs this
         together. On abort or failure the shard rolls back to keep_tokens. Sliding-window
-        layers keep only the keys that queries from the end of the prompt on can see."""
-        self.validate(req, ring.size)
+        layers keep only the keys that queries from the end of the prompt on can see. `world` is the
+        whole ring; a pipeline stage's context ranks are a part of it (cpchat.rank.stages)."""
+        self.validate(req, world.size)
+        ring = context_ring(world, self.info.place)
         self.reset(req.keep_tokens)
         mx.reset_peak_memory()
         start = self.total_tokens
@@ -256,7 +277,7 @@ class Engine:
             if quantize_at is not None and position >= quantize_at and not self.kv.quantized:
                 self.kv.quantize()
 
-        answer = DecodeLoop(self, req, ring, abort)
+        answer = DecodeLoop(self, req, world, ring, abort)
         saving = req.save_prefix and self.prefix.cache is not None
         try:
             t0 = time.perf_counter()
@@ -264,7 +285,7 @@ class Engine:
             for i, (a, b) in enumerate(passes):
                 quantize_by(a)
                 last = i == len(passes) - 1
-                logits = self._prefill(req, tokens[a - start:b - start], ring, abort,
+                logits = self._prefill(req, tokens[a - start:b - start], world, ring, abort,
                                        on_layer if (a, b) == longest else None,
                                        req.request_id if last else f"{req.request_id}#{i}")
                 if b == state_at:
@@ -281,7 +302,8 @@ class Engine:
             if answer.step_kind == "gather" and ring.rank and req.max_tokens > 1:
                 gathered.send_shard(self.kv, ring, req.request_id)  # while the first token is sampled
             source = owner_of(len(tokens) - 1, len(tokens), ring.size, _shares(req))
-            first = answer.sample_and_share(source, 0, logits)
+            first = answer.sample_and_share(self.info.place.world_rank(self.info.place.stages - 1, source), 0,
+                                            logits)
             combine_ms = sum(t.wait_ms + t.compute_ms for t in self.last_timings  # what the ring added
                              if t.layer in self.info.linear and t.step != linear_layers.RUN_STEP)
             emit(pb.GenerateEvent(prefill=pb.PrefillDone(ms=1000 * (time.perf_counter() - t0),
@@ -302,7 +324,7 @@ class Engine:
             raise
         finally:
             for request_id in [req.request_id, *(f"{req.request_id}#{i}" for i in range(len(passes) - 1))]:
-                ring.mailbox.forget(request_id)
+                world.mailbox.forget(request_id)
 
     # ---- the prefix cache
 
@@ -315,6 +337,7 @@ class Engine:
         another size, on this disk) from every shard the positions a prefill would give this rank."""
         if self.model is None:
             raise BadRequest("no model is loaded")
+        ring = context_ring(ring, self.info.place)
         cache = self.prefix.cache
         if cache is None:
             raise CacheMiss("this rank keeps no prefix cache (--no-cache)")

@@ -67,6 +67,13 @@ class LayerRecurrence:
     window = None  # sees every earlier token (through its state)
 
 
+@dataclass(frozen=True)
+class LayerElsewhere:
+    """A layer another pipeline stage runs (cpchat.rank.stages): nothing of it is held here."""
+
+    window = None
+
+
 @dataclass
 class ProbeResult:
     slots: list[CacheSlot]
@@ -181,9 +188,16 @@ def mix_in(module: nn.Module, mixin: type) -> None:
         module.__class__ = _mixed.setdefault((mixin, cls), type(cls.__name__, (mixin, cls), {}))
 
 
-def describe_layers(model: nn.Module, probe: ProbeResult) -> list[LayerAttention | LayerRecurrence]:
-    layers = []
+Layer = LayerAttention | LayerRecurrence | LayerElsewhere
+
+
+def describe_layers(model: nn.Module, probe: ProbeResult, runs: range | None = None) -> list[Layer]:
+    """Each layer's needs, as the probe saw them; those outside `runs` (another stage's) as elsewhere."""
+    layers: list[Layer] = []
     for i, slot in enumerate(probe.slots):
+        if runs is not None and i not in runs:
+            layers.append(LayerElsewhere())
+            continue
         if slot.state:
             layers.append(_describe_recurrence(model, probe, i))
             continue

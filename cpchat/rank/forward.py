@@ -7,29 +7,36 @@ import threading
 import mlx.core as mx
 import numpy as np
 
-from cpchat.rank import fit
+from cpchat.rank import fit, stages
 from cpchat.rank.algorithms import ATTEND
 from cpchat.rank.context_parallel import RingPass, ShardCache
 from cpchat.rank.fit import UnsupportedModel
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.linear_layers import StateCache
+from cpchat.rank.stages import Handoff
 from cpchat.rank.statestore import StateStore
 from cpchat.rank.transport.ring import Mailbox, Ring
 
 
-def run_model(model, ring_pass: RingPass, ids: mx.array, row: int, evaluate: bool = True) -> mx.array:
+def run_model(model, ring_pass: RingPass, ids: mx.array, row: int, evaluate: bool = True,
+              handoff: Handoff | None = None) -> mx.array | None:
     """The model's own __call__ (so its output path — softcapping, logit scaling — runs as in
     mlx-lm) over this rank's rows, with the head applied to one flattened row only; evaluated, or
-    left a graph for the caller to evaluate."""
+    left a graph for the caller to evaluate. A pipeline stage but the last hands its hidden states
+    on (`handoff`) and returns None."""
     caches = [StateCache(ring_pass, i) if i in ring_pass.linear else ShardCache(ring_pass, i)
               for i in range(ring_pass.kv.num_layers)]
-    with fit.head_on_row(model, row):
-        logits = model(ids, cache=caches)
-    if evaluate:
+    logits = None
+    with fit.head_on_row(model, row), stages.handing(handoff):
+        try:
+            logits = model(ids, cache=caches)
+        except stages.StageEnd:
+            pass
+    if evaluate and logits is not None:
         mx.eval(logits)
     if ring_pass.store:
         ring_pass.kv.commit(evaluate)
-    return logits[0, 0]
+    return None if logits is None else logits[0, 0]
 
 
 def probe_forward(model, vocab_size: int, chunk: int = 3) -> fit.ProbeResult:
@@ -37,8 +44,9 @@ def probe_forward(model, vocab_size: int, chunk: int = 3) -> fit.ProbeResult:
     tokens at different positions), recording what every layer's attention was given. The token
     ids stay inside the vocabulary: MLX's gather does not check, and read past the embedding."""
     slots = fit.cache_slots(model)
-    linear = frozenset(i for i, s in enumerate(slots) if s.state)
-    kv = KVShard(len(slots), linear)
+    elsewhere = stages.elsewhere(model)
+    linear = frozenset(i for i, s in enumerate(slots) if s.state) - elsewhere
+    kv = KVShard(len(slots), linear, elsewhere=elsewhere)
     ring = Ring(0, 1, {}, Mailbox(lambda frame, size: None))
     positions = np.arange(2 * chunk)
     ring_pass = RingPass(

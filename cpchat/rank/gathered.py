@@ -37,7 +37,7 @@ def new_kv_key(request_id: str, position: int) -> BlockKey:
 
 
 def attention_layers(kv: KVShard) -> list[int]:
-    return [i for i in range(kv.num_layers) if i not in kv.linear]
+    return [i for i in range(kv.num_layers) if i not in kv.without_kv]
 
 
 def send_shard(kv: KVShard, ring: Ring, request_id: str) -> None:
@@ -53,7 +53,7 @@ class Gathered:
 
     def __init__(self, kv: KVShard, others: dict[int, list[Block]]) -> None:
         self.others = others
-        self.new = KVShard(kv.num_layers, kv.linear, kv.format)
+        self.new = KVShard(kv.num_layers, kv.linear, kv.format, kv.elsewhere)
         if kv.quantized:
             self.new.quantize()
 

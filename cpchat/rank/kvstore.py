@@ -35,9 +35,10 @@ GROW = 256
 
 class KVShard:
     def __init__(self, num_layers: int, linear: frozenset[int] = frozenset(),
-                 kv_format: KVFormat = FULL_PRECISION) -> None:
+                 kv_format: KVFormat = FULL_PRECISION, elsewhere: frozenset[int] = frozenset()) -> None:
         self.num_layers = num_layers
         self.linear = linear  # layers that keep a recurrent state instead (cpchat.rank.statestore)
+        self.elsewhere = elsewhere  # layers another pipeline stage runs (cpchat.rank.stages)
         self.format = kv_format
         self.quantized = False  # whether the layers hold (and append) Packed keys and values
         self.keys: list[KV | None] = [None] * num_layers
@@ -46,6 +47,11 @@ class KVShard:
         self._layer_positions = [self.positions] * num_layers
         self._pending: np.ndarray | None = None  # positions being appended by the current forward
         self._lengths = [0] * num_layers
+
+    @property
+    def without_kv(self) -> frozenset[int]:
+        """Layers that hold no keys and values here."""
+        return self.linear | self.elsewhere
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -107,7 +113,7 @@ class KVShard:
             self._layer_positions = [np.concatenate([p, self._pending]) for p in self._layer_positions]
             self._pending = None
         assert all(n == len(p) for i, (n, p) in enumerate(zip(self._lengths, self._layer_positions))
-                   if i not in self.linear), "layers out of step"
+                   if i not in self.without_kv), "layers out of step"
 
     def layer(self, layer: int) -> tuple[KV | None, KV | None, np.ndarray]:
         """Keys, values and positions of one layer, the pending append included."""
@@ -128,7 +134,7 @@ class KVShard:
         for i in range(self.num_layers):
             keys, values, held = layers.get(i, (None, None, self.positions[:0]))
             self.keys[i], self.values[i] = keys, values
-            self._layer_positions[i] = self.positions if i in self.linear else held.astype(np.int32)
+            self._layer_positions[i] = self.positions if i in self.without_kv else held.astype(np.int32)
             self._lengths[i] = 0 if keys is None else keys.shape[2]
         mx.eval(self._arrays())
 

@@ -3,6 +3,7 @@ out what each layer's attention needs (ModelShape); what cpchat cannot serve is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,11 +11,12 @@ import mlx.core as mx
 
 from cpchat.checkpoints.resolve import is_checkpoint, model_dir
 from cpchat.core.quantized_kv import BITS, FULL_PRECISION, GROUP_SIZES, KVFormat
-from cpchat.rank import context_parallel, fit, latent_attention, linear_layers
+from cpchat.rank import context_parallel, fit, latent_attention, linear_layers, stages
 from cpchat.rank.cpu_products import use_float32_products
-from cpchat.rank.fit import LayerAttention, LayerRecurrence, UnsupportedModel
+from cpchat.rank.fit import Layer, LayerAttention, LayerElsewhere, LayerRecurrence, UnsupportedModel
 from cpchat.rank.forward import probe_forward
 from cpchat.rank.prefix_cache import model_identity
+from cpchat.rank.stages import StagePlace
 
 
 class KVFormatRefused(ValueError):
@@ -33,12 +35,13 @@ class ModelShape:
     vocab_size: int
     bytes_per_element: int  # of the K/V the ranks hold and send
     max_context: int
-    layers: list[LayerAttention | LayerRecurrence]
+    layers: list[Layer]
     exact_tokens: int | None  # past this, mlx-lm's own RoPE depends on how it cuts the prompt
     latent: bool = False  # MLA layers: keys and values are a compressed latent
     kv_format: KVFormat = FULL_PRECISION
     identity: str = ""  # the model's files and the settings its K/V depend on (prefix_cache.model_identity)
     files: str = ""  # the model's files on this device alone: what its speed depends on
+    place: StagePlace = StagePlace()  # the layers this rank runs, as a pipeline stage
 
     @property
     def linear(self) -> frozenset[int]:
@@ -49,22 +52,37 @@ class ModelShape:
     def first_attention(self) -> LayerAttention:
         return next(layer for layer in self.layers if isinstance(layer, LayerAttention))
 
+    @property
+    def attention_layers(self) -> int:
+        """Layers this rank keeps keys and values for."""
+        return sum(isinstance(layer, LayerAttention) for layer in self.layers)
 
-def load_model(name: str, kv_format: KVFormat = FULL_PRECISION):
+    @property
+    def elsewhere(self) -> frozenset[int]:
+        return frozenset(i for i, layer in enumerate(self.layers) if isinstance(layer, LayerElsewhere))
+
+
+def load_model(name: str, kv_format: KVFormat = FULL_PRECISION,
+               place: Callable[[int], StagePlace] | None = None):
     """Load with mlx-lm (a directory, a hub id `ORG/NAME[@revision]` or a checkpoint to convert, each
-    resolved on this machine), install ring attention, and find out what each layer's attention needs."""
-    from mlx_lm import load
+    resolved on this machine) the layers `place` gives this rank of the model's, reading no other
+    weights; install ring attention, and find out what each layer's attention needs."""
     from mlx_lm.utils import _download
+    from mlx_lm.utils import load_model as mlx_lm_load_model
 
     if is_checkpoint(name):  # a GGUF file, an Ollama model or a named one: converted on this machine
         name = str(model_dir(name))
     path, revision = (name, None) if Path(name).exists() else _split_revision(name)
+    local = Path(_download(path, revision=revision))
     try:
-        model, _tokenizer, config = load(path, return_config=True, revision=revision)
+        model, config = mlx_lm_load_model(local, lazy=True)
     except ValueError as e:
         if "not supported" in str(e):
             raise UnsupportedModel(str(e)) from None
         raise
+    stage = (place or stages.one_stage)(len(model.layers))
+    stages.keep_stage(model, stage)
+    mx.eval(model.parameters())
     context_parallel.install()
     linear_layers.install()
     latent = latent_attention.adapt(model) > 0
@@ -74,9 +92,8 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION):
     usable = fit.usable_context(config)
     if mx.default_device() == mx.cpu:
         use_float32_products(model)
-    local = Path(path) if Path(path).exists() else Path(_download(path, revision=revision))
     vocab_size = _vocab_size(model, config)
-    layers = fit.describe_layers(model, probe_forward(model, vocab_size))
+    layers = fit.describe_layers(model, probe_forward(model, vocab_size), range(stage.first, stage.end))
     first = next(layer for layer in layers if isinstance(layer, LayerAttention))  # cache_slots saw one
     info = ModelShape(
         model_type=config.get("model_type", fit.model_name(model)),
@@ -91,10 +108,13 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION):
         exact_tokens=exact_tokens,
         latent=latent,
         kv_format=kv_format,
+        place=stage,
     )
     check_kv_format(info)
     settings = {"device": str(mx.default_device()), "kv_bytes": first.dtype_bytes,
                 "kv_format": [kv_format.bits, kv_format.group_size, kv_format.start]}
+    if stage.stages > 1:  # a stage's saved K/V are of its layers only
+        settings["layers"] = [stage.first, stage.end]
     info.identity = model_identity(local, settings)
     info.files = model_identity(local, {"device": settings["device"]})
     return model, info

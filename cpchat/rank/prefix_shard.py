@@ -37,7 +37,7 @@ def capture(kv: KVShard, states: StateStore, tokens: np.ndarray, windows: Sequen
     dtypes: dict[str, str] = {}
     floor = 0
     for i in range(kv.num_layers):
-        if i in kv.linear:
+        if i in kv.without_kv:
             continue
         keys, values, positions = kv.layer(i)
         if i in before_forgetting:

@@ -31,6 +31,7 @@ from cpchat.rank.fit import UnsupportedModel
 from cpchat.rank.memory import free_bytes, reuse_freed_blocks
 from cpchat.rank.model_load import KVFormatRefused
 from cpchat.rank.prefix_cache import CacheMiss, PrefixStore
+from cpchat.rank.stages import StagesRefused
 from cpchat.rank.state import CONTROL_SERVICE, MAX_ID, MAX_MESSAGE, NotNow, RankState
 from cpchat.rank.transport.data_plane import (
     available_backends,
@@ -76,13 +77,14 @@ class ControlServicer(pb_grpc.ControlServicer):
             try:
                 kv_format = KVFormat(request.kv_bits, request.kv_group_size or FULL_PRECISION.group_size,
                                      request.quantized_kv_start)
+                place = self.s.stage_place(request.stages, tuple(request.stage_layers))
                 info = self.s.on_mlx(self.s.engine.load, request.model, kv_format,
-                                     free_bytes(self.s.memory_limit))
+                                     free_bytes(self.s.memory_limit), place)
             except UnsupportedModel as e:
                 self.s.state = "ready" if self.s.engine.model is not None else "idle"  # the old model stays
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{e} (not supported for context parallelism)")
-            except (CheckpointError, KVFormatRefused) as e:  # a GGUF that cannot be converted, or --kv-bits
+            except (CheckpointError, KVFormatRefused, StagesRefused) as e:  # a GGUF, --kv-bits, --stages
                 self.s.state = "ready" if self.s.engine.model is not None else "idle"
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except Exception as e:  # noqa: BLE001 - any load failure is reported, not raised
@@ -98,6 +100,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             max_context=info.max_context, value_dim=info.first_attention.value_dim,
             state_layers=len(info.linear), kv_bits=info.kv_format.bits,
             kv_group_size=info.kv_format.group_size, weight_bytes=self.s.engine.weight_bytes,
+            pipeline_stage=info.place.stage, first_layer=info.place.first, end_layer=info.place.end,
         )
 
     def Calibrate(self, request, context):

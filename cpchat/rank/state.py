@@ -8,7 +8,7 @@ import resource
 import sys
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 
 import grpc
@@ -21,6 +21,7 @@ from cpchat import blas
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol.channel import open_channel, token_metadata
 from cpchat.rank.engine import BadRequest, Engine
+from cpchat.rank.stages import StagePlace, StagesRefused, place_of
 from cpchat.rank.transport.data_plane import DataPlane, DataPlaneLink, check_backend
 from cpchat.rank.transport.ring import Link, Mailbox, Ring, RingLink
 from cpchat.rank.transport.shm import SharedMemoryLink, SharedMemoryListener
@@ -74,6 +75,9 @@ def check_frame(f: pb.Frame, data_bytes: int, ring: Ring | None, ring_id: str, l
             raise FrameError(f"layer {f.layer} outside the model's {layers} layers")
         if f.step >= (2 * size if f.kind in (pb.PARTIAL, pb.QUERY) else size):  # decode: + N at odd positions
             raise FrameError(f"step {f.step} outside a ring of {size}")
+    elif f.kind == pb.HIDDEN:  # step: a position
+        if f.layer >= layers:
+            raise FrameError(f"layer {f.layer} outside the model's {layers} layers")
     elif f.kind not in (pb.TOKEN, pb.PROBE, pb.NEW_KV):  # step: a token's index or position
         raise FrameError(f"unknown frame kind {f.kind}")
     if f.dtype not in DTYPES:
@@ -195,6 +199,18 @@ class RankState:
             return [links[peer].transport if peer in links else "" for peer in range(len(addresses))]
         finally:
             self.busy.release()
+
+    def stage_place(self, stages: int, counts: tuple[int, ...]) -> Callable[[int], StagePlace] | None:
+        """Where this rank sits among `stages` pipeline stages of the ring (a function of the model's
+        layer count); None for one stage."""
+        if stages <= 1 and not counts:
+            return None
+        if self.ring is None:
+            raise NotNow("this rank is not part of a ring yet (Configure first)")
+        rank, size = self.ring.rank, self.ring.size
+        if size % max(stages, 1):
+            raise StagesRefused(f"{size} ranks do not form {stages} stages of equal size")
+        return lambda layers: place_of(rank, size, layers, stages, counts)
 
     def _join_data_plane(self, backend: str, rank: int, addresses: Sequence[str]) -> DataPlane | None:
         """The mx.distributed group the ring asks for: formed now, or the one this process formed

@@ -1,0 +1,152 @@
+"""Pipeline stages x context ranks (--stages) through real rank processes: each rank reads only its
+stage's layers, hands its rows' hidden states to the next stage's rank with the same rows, and the
+answer is mlx-lm's own single-process generation (tokens, and logprobs within 1e-3; in a 4-bit
+checkpoint within 1.5x of mlx-lm's own noise), for P x C in 2x1, 3x1, 4x1 and 2x2, every prefill
+algorithm and decode step, prompts of 1 token and of lengths 2C does not divide."""
+
+import pytest
+from helpers import ALGORITHMS, assert_same, next_turn, question_ids, random_prompt, raw_session, run_raw
+from references import MlxReference, low_precision_noise, reference_generate
+
+from cpchat.core.quantized_kv import KVFormat
+from cpchat.core.stages import ONE_STAGE, Stages, parse_stages
+from cpchat.errors import BadInput
+from cpchat.smallmodels import write_model
+
+MAX_TOKENS = 6
+LAYOUTS = [(2, 1), (3, 1), (4, 1), (2, 2)]  # stages, context ranks a stage
+DECODE_STEPS = ("exchange", "ring", "lead", "gather")
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory):
+    """deep_model(arch) -> a small float32 model with enough layers for four stages."""
+    root = tmp_path_factory.mktemp("deep")
+    built = {}
+
+    def get(arch: str, layers: int = 4):
+        if arch not in built:
+            built[arch] = write_model(root / arch, arch, num_layers=layers)
+        return built[arch]
+
+    return get
+
+
+def layout_param(stages: int, ring: int, fast: bool = False):
+    marks = () if fast else (pytest.mark.slow,)
+    return pytest.param(stages, ring, id=f"{stages}x{ring}", marks=marks)
+
+
+@pytest.mark.parametrize("stages, ring", [layout_param(s, c, fast=(s, c) == (2, 2)) for s, c in LAYOUTS])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_stages_answer_as_mlx_lm(clusters, deep_model, arch, stages, ring):
+    path = deep_model(arch)
+    cluster = clusters.get(stages * ring, path, stages=Stages(stages))
+    assert cluster.ring_size == ring and cluster.model.stages == stages
+    for length in (1, 5, 2 * ring * 3 + 1):
+        ids = random_prompt(path, length, seed=length)
+        expected = reference_generate(path, ids, MAX_TOKENS)
+        for algorithm in ALGORITHMS if ring > 1 else ("auto",):
+            cluster.reset(0)
+            got, _, _ = run_raw(cluster, path, ids, algorithm, MAX_TOKENS)
+            assert_same(got, expected)
+    if ring > 1:
+        for step in DECODE_STEPS:
+            cluster.reset(0)
+            session = raw_session(cluster, path, "pass_kv", MAX_TOKENS)
+            session.planner.decode = step
+            got, _ = next_turn(session, ids)
+            assert_same(got, expected)
+
+
+def test_each_rank_holds_only_its_stages_weights(clusters, deep_model):
+    """The layer ranges tile the model; a rank of a stage holds less than a rank of the whole model,
+    stage 0 the embedding, the last stage the norm and head: for an untied model, the middle
+    stages of 4 hold the fewest bytes."""
+    path = deep_model("qwen3")  # untied: its head is a weight of its own
+    whole = clusters.get(4, path).ranks[0].weight_bytes
+    cluster = clusters.get(4, path, stages=Stages(4))
+    assert [r.layers for r in cluster.ranks] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert [r.stage for r in cluster.ranks] == [0, 1, 2, 3]
+    held = [r.weight_bytes for r in cluster.ranks]
+    assert max(held) < whole
+    assert held[1] == held[2] < min(held[0], held[3])  # a layer alone, then with embedding or head
+    layer = held[1]
+    assert held[0] + held[3] - 2 * layer < whole - 4 * layer + 1024  # embedding + head + norm, no more
+    cluster = clusters.get(2, path, stages=parse_stages("1,3"))
+    assert [r.layers for r in cluster.ranks] == [(0, 1), (1, 4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages, ring", [(2, 1), (2, 2)])
+@pytest.mark.parametrize("arch, layers", [("gemma3_text", 6), ("qwen3_next", 4)])
+def test_windows_and_linear_layers_split(clusters, deep_model, arch, layers, stages, ring):
+    """Sliding-window layers (Gemma 3) and Gated DeltaNet states (Qwen3-Next) stay with their stage."""
+    path = deep_model(arch, layers)
+    cluster = clusters.get(stages * ring, path, stages=Stages(stages))
+    for length in (1, 2 * ring + 1, 37):
+        ids = random_prompt(path, length, seed=length)
+        cluster.reset(0)
+        got, _, _ = run_raw(cluster, path, ids, "auto", MAX_TOKENS)
+        assert_same(got, reference_generate(path, ids, MAX_TOKENS))
+
+
+@pytest.mark.slow
+def test_a_4bit_checkpoint_and_a_follow_up_turn(clusters, checkpoint):
+    path = checkpoint("q4g64")
+    cluster = clusters.get(4, path, stages=Stages(2))
+    ids, questions = question_ids(path, seed=5, n_questions=1)
+    session = raw_session(cluster, path, "auto", MAX_TOKENS)
+    got, _ = next_turn(session, ids)
+    expected = reference_generate(path, ids, MAX_TOKENS)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    noise = low_precision_noise(path, ids, expected)
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, expected, strict=True)) <= 1.5 * noise
+    follow = random_prompt(path, 7, seed=9)
+    history = ids + [t for t, _ in got] + follow
+    got, _ = next_turn(session, follow)
+    assert [t for t, _ in got] == [t for t, _ in reference_generate(path, history, MAX_TOKENS)]
+
+
+@pytest.mark.slow
+def test_kv_bits_across_stages(clusters, tmp_path):
+    """4-bit K/V from the first token on: each stage quantizes its own layers' K/V as mlx-lm would."""
+    path = write_model(tmp_path / "llama", "llama", num_layers=4, hidden_size=128, num_heads=2)
+    kv = KVFormat(4, 32, 0)
+    cluster = clusters.get(4, path, kv=kv, stages=Stages(2))
+    reference = MlxReference(path, kv)
+    try:
+        ids = random_prompt(path, 13, seed=2)
+        expected, _ = reference(ids, MAX_TOKENS)
+        got, _, _ = run_raw(cluster, path, ids, "pass_kv", MAX_TOKENS)
+        assert_same(got, expected)
+    finally:
+        reference.close()
+
+
+def test_a_split_that_cannot_be_made_is_refused(clusters, deep_model):
+    path = deep_model("llama")
+    cluster = clusters.get(4, path)
+    for stages, says in ((Stages(3), "does not divide 4 ranks"),
+                         (Stages(2, (1, 2)), "do not split the model's 4 layers into 2 stages"),
+                         (Stages(4, (1, 1, 1, 1)), None)):
+        if says is None:
+            cluster.load(str(path), stages=stages)
+            continue
+        with pytest.raises(BadInput, match=says) as refusal:
+            cluster.load(str(path), stages=stages)
+        assert "\n" not in str(refusal.value)
+    cluster = clusters.get(2, path)
+    with pytest.raises(BadInput, match="2 stages for a model of 1 layers|at most one stage a layer"):
+        cluster.load(str(write_model(path.parent / "one-layer", "llama", num_layers=1)), stages=Stages(2))
+    clusters.loaded.clear()  # the ranks keep whatever they loaded last
+
+
+def test_stages_are_parsed():
+    assert parse_stages("1") == ONE_STAGE
+    assert parse_stages("3") == Stages(3)
+    assert parse_stages("12,18") == Stages(2, (12, 18))
+    assert parse_stages("auto").auto
+    for bad in ("0", "two", "3,0", ""):
+        with pytest.raises(ValueError, match="--stages"):
+            parse_stages(bad)
