@@ -67,6 +67,10 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shares", metavar="auto|equal|W1,W2,...", default=None,
                    help="each rank's share of a prompt: auto (default) in proportion to the speed each "
                         "rank measured, equal, or weights in ring order (e.g. 2,1)")
+    p.add_argument("--stages", metavar="P|auto|L1,L2,...", default=None,
+                   help="split the model's layers over P pipeline stages of the ranks (each rank reads only "
+                        "its stage's weights): 1 (default), auto (the fewest whose ranks hold the weights), "
+                        "or layers per stage (e.g. 12,18)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="how tensors travel between ranks: auto (default) uses shared memory between ranks "
                         "on one host and gRPC between hosts; grpc: gRPC only; shm: shared memory only; "

@@ -114,10 +114,11 @@ def run_headless(args: argparse.Namespace, options: ClusterOptions) -> int:
         cluster = front.cluster
         assert cluster is not None
         out.event(Ready(settings.model or "demo",
-                        [RankAddress(r.rank, r.address, r.blas_label, r.blas.threads, round(speed, 1))
+                        [RankAddress(r.rank, r.address, r.blas_label, r.blas.threads, round(speed, 1),
+                                     r.stage, r.layers, r.weight_bytes)
                          for r, speed in zip(cluster.ranks, cluster.speeds(), strict=True)],
                         transport=cluster.transport_label, kv_bits=cluster.model.kv_format.bits,
-                        shares=settings.shares))
+                        shares=settings.shares, stages=cluster.stages))
         if warning := cluster.slow_blas_warning():
             diagnostic(warning)
         session = front.session_for([], raw=args.raw)

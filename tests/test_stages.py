@@ -5,12 +5,23 @@ checkpoint within 1.5x of mlx-lm's own noise), for P x C in 2x1, 3x1, 4x1 and 2x
 algorithm and decode step, prompts of 1 token and of lengths 2C does not divide."""
 
 import pytest
-from helpers import ALGORITHMS, assert_same, next_turn, question_ids, random_prompt, raw_session, run_raw
+from helpers import (
+    ALGORITHMS,
+    assert_same,
+    next_turn,
+    prefill_event,
+    question_ids,
+    random_prompt,
+    raw_session,
+    run_raw,
+)
 from references import MlxReference, low_precision_noise, reference_generate
 
+from cpchat.client.events import Progress
 from cpchat.core.quantized_kv import KVFormat
 from cpchat.core.stages import ONE_STAGE, Stages, parse_stages
 from cpchat.errors import BadInput
+from cpchat.rank.stages import pipeline_cuts
 from cpchat.smallmodels import write_model
 
 MAX_TOKENS = 6
@@ -57,6 +68,21 @@ def test_stages_answer_as_mlx_lm(clusters, deep_model, arch, stages, ring):
             session.planner.decode = step
             got, _ = next_turn(session, ids)
             assert_same(got, expected)
+
+
+@pytest.mark.parametrize("stages, ring", [layout_param(2, 2, fast=True), layout_param(3, 1)])
+def test_a_long_prompt_flows_through_the_stages_in_chunks(clusters, deep_model, stages, ring):
+    """1,100 tokens go through the stages in 4 chunks (cpchat.rank.stages.pipeline_cuts), each stage
+    after the first waiting for the one before: the answer is still mlx-lm's."""
+    path = deep_model("llama")
+    cluster = clusters.get(stages * ring, path, stages=Stages(stages))
+    ids = random_prompt(path, 1100, seed=11)
+    got, events, _ = run_raw(cluster, path, ids, "auto", MAX_TOKENS)
+    assert_same(got, reference_generate(path, ids, MAX_TOKENS))
+    assert [e for e in events if isinstance(e, Progress)][-1].processed == len(ids)
+    waits = prefill_event(events).stage_wait_ms
+    assert len(waits) == stages * ring
+    assert all(w == 0 for w in waits[:ring]) and all(w > 0 for w in waits[ring:])
 
 
 def test_each_rank_holds_only_its_stages_weights(clusters, deep_model):
@@ -140,6 +166,13 @@ def test_a_split_that_cannot_be_made_is_refused(clusters, deep_model):
     with pytest.raises(BadInput, match="2 stages for a model of 1 layers|at most one stage a layer"):
         cluster.load(str(write_model(path.parent / "one-layer", "llama", num_layers=1)), stages=Stages(2))
     clusters.loaded.clear()  # the ranks keep whatever they loaded last
+
+
+def test_a_prompt_is_cut_into_chunks_for_the_stages():
+    assert pipeline_cuts(0, 5000, 1) == []
+    assert pipeline_cuts(0, 1100, 2) == [275, 550, 825]  # 4 chunks of at least 256 tokens
+    assert pipeline_cuts(100, 100 + 8 * 1024, 2) == [100 + 1024 * i for i in range(1, 8)]  # 4 a stage
+    assert pipeline_cuts(0, 300, 3) == []  # one chunk
 
 
 def test_stages_are_parsed():

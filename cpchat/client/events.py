@@ -19,6 +19,9 @@ class RankAddress:
     blas: str = ""  # the BLAS its CPU products run on, e.g. "OpenBLAS 0.3.21 Haswell"
     threads: int = 0  # the threads that BLAS runs, as it reports (--threads)
     speed: float = 0.0  # tokens a second its forward runs, as it measured when the model loaded
+    stage: int = 0  # the pipeline stage it runs (--stages)
+    layers: tuple[int, int] = (0, 0)  # the layers [first, last + 1] it runs
+    weight_bytes: int = 0  # the weights it holds, as MLX counts them
 
 
 @dataclass
@@ -29,6 +32,7 @@ class Ready:
     transport: str = ""  # how tensors travel between the ranks: "mlx", "shm", "grpc", or a mix "shm+grpc"
     kv_bits: int = 0  # K/V quantized to this many bits (--kv-bits); 0: the model's dtype
     shares: str = "auto"  # how a prompt is shared out: auto (by the speeds), equal, or weights (--shares)
+    stages: int = 1  # pipeline stages the ranks form (--stages)
 
 
 @dataclass
@@ -46,6 +50,9 @@ class Prefill:
     cache: str = "none"  # where they came from: "memory" | "disk" | "none"
     load_ms: float = 0.0  # finding and loading them from disk (before the prefill's ms)
     shares: list[int] = field(default_factory=list)  # the new tokens each rank took (--shares)
+    # Pipeline stages (--stages): each rank's wait for the previous stage's hidden states, the
+    # pipeline's bubble (0 on the first stage); empty for one stage.
+    stage_wait_ms: list[float] = field(default_factory=list)
 
 
 @dataclass

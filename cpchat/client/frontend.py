@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from cpchat.client.cluster import Cluster
 from cpchat.client.connect import ClusterOptions, connect_cluster
 from cpchat.client.hub import front_end_copy
+from cpchat.client.models import weight_files
 from cpchat.client.session import Message, SamplingOptions, Session, load_tokenizer
 from cpchat.client.settings import Settings, rank_flags, resolve_model
+from cpchat.core.stages import ONE_STAGE, Stages, fewest_stages
 from cpchat.errors import BackendError, BadInput
 
 Report = Callable[[str, int, int], None]
@@ -118,6 +121,16 @@ class Frontend:
         if self.own_cluster and self.cluster is not None:
             self.cluster.close()
 
+    def _auto_stages(self, directory: str) -> Stages:
+        """--stages auto: the fewest stages whose ranks hold the model's weights (the files here)."""
+        assert self.cluster is not None
+        files, _ = weight_files(Path(directory))
+        if not files:
+            self.say("--stages auto: the model's weights are not on this machine to measure; one stage")
+            return ONE_STAGE
+        weights = sum(f.stat().st_size for f in files)
+        return Stages(fewest_stages(weights, self.cluster.free_memory()))
+
     def _fetch(self, model_path: str, report: Report) -> str | None:
         """A hub model's files (or a GGUF's conversion) for the front end: the whole model when the
         ranks are ours."""
@@ -126,7 +139,10 @@ class Frontend:
     def _load(self, model_path: str, report: Report) -> None:
         assert self.cluster is not None
         report("load", 0, self.cluster.size)
+        stages = self.settings.stage_split
+        if stages.auto:
+            stages = self._auto_stages(self.tokenizer_dir or model_path)
         self.cluster.load(model_path, on_progress=lambda done, total: report("load", done, total),
-                          kv_format=self.settings.kv_format)
+                          kv_format=self.settings.kv_format, stages=stages)
         if self.session is not None:
             self.session.attach(self.cluster)  # a load empties the ranks' KV: the next turn re-reads all

@@ -37,6 +37,7 @@ class PrefillDone:
     ms: float  # the slowest rank's prefill
     linear_layers: str  # how linear-attention layers crossed the ring; "" for a model without them
     state_combine_ms: float  # of ms, the linear layers' halo exchange and state combine
+    stage_wait_ms: tuple[float, ...] = ()  # per rank: its wait for the previous pipeline stage
 
 
 @dataclass(frozen=True)

@@ -354,7 +354,9 @@ class Session:
                 yield Prefill(turn, len(new), keep, choice.algorithm, round(event.ms, 1), choice.reason,
                               choice.estimates_ms, event.linear_layers, round(event.state_combine_ms, 1),
                               reused_tokens=keep, cache=cache, load_ms=load_ms if cache == "disk" else 0.0,
-                              shares=rank_tokens(len(new), self.cluster.ring_size, shares))
+                              shares=rank_tokens(len(new), self.cluster.ring_size, shares),
+                              stage_wait_ms=[round(w, 1) for w in event.stage_wait_ms]
+                              if self.cluster.stages > 1 else [])
             elif isinstance(event, TokenOut):
                 t_last = time.perf_counter()
                 t_first = t_first or t_last

@@ -28,6 +28,7 @@ from cpchat.client.hub import is_hub_id
 from cpchat.core.algorithms import ALGORITHMS
 from cpchat.core.quantized_kv import BITS, GROUP_SIZES, QUANTIZED_KV_START, KVFormat
 from cpchat.core.sharding import Shares, integer_shares
+from cpchat.core.stages import Stages, parse_stages
 from cpchat.dirs import PREFIX_CACHE_GB, cache_dir, config_dir, data_dir
 from cpchat.errors import BadInput
 
@@ -58,6 +59,7 @@ class Settings:
     cache: bool = True  # the prefix cache: ranks save conversations on disk and later sessions reuse them
     cache_dir: str = ""  # where local ranks keep it ("": <user cache dir>/cpchat/prefix)
     cache_max_gb: float = PREFIX_CACHE_GB  # per rank
+    stages: str = "1"  # pipeline stages the ranks form: P | auto | layer counts L1,L2,... (--stages)
     kv_bits: int = 0  # K/V quantized to 4 or 8 bits (mlx-lm's --kv-bits); 0: the model's dtype
     kv_group_size: int = 64
     quantized_kv_start: int = QUANTIZED_KV_START
@@ -67,6 +69,10 @@ class Settings:
     @property
     def kv_format(self) -> KVFormat:
         return KVFormat(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
+
+    @property
+    def stage_split(self) -> Stages:
+        return parse_stages(self.stages)
 
 
 def parse_shares(text: str) -> Shares | str:
@@ -97,6 +103,7 @@ _CASTS = {
     "ranks": int,
     "algorithm": str,
     "shares": str,
+    "stages": str,
     "max_tokens": int,
     "temp": float,
     "top_p": float,
@@ -128,6 +135,11 @@ def _set(settings: Settings, key: str, value: object, source: str) -> None:
         except ValueError:
             raise BadInput(f"setting shares from {source}: {value!r} is not auto, equal or "
                            "positive weights W1,W2,... (one a rank)") from None
+    if key == "stages":
+        try:
+            parse_stages(value)
+        except ValueError as e:
+            raise BadInput(f"setting stages from {source}: {e}") from None
     if key == "blas" and value not in blas.CHOICES:
         raise BadInput(f"setting blas from {source}: {value!r} is not {', '.join(blas.CHOICES)}")
     if key == "cache_max_gb" and value < 0:
@@ -168,6 +180,7 @@ def resolve_settings(args: argparse.Namespace, config_file: Path | None = None) 
         "ranks": args.ranks,
         "algorithm": args.algorithm,
         "shares": args.shares,
+        "stages": args.stages,
         "max_tokens": args.max_tokens,
         "temp": args.temp,
         "top_p": args.top_p,

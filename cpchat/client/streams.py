@@ -59,6 +59,7 @@ class GenerationWatch:
 class RankPrefilled:
     rank: int
     ms: float
+    stage_wait_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,13 +122,13 @@ class GenerationRun:
             # Rank 0 reports its prefill (and first token) as soon as *it* is done; hold them until
             # every rank is, so prefill time and decode rate describe the whole ring.
             held: list[GenerationEvent] | None = None
-            prefilled: dict[int, float] = {}
+            prefilled: dict[int, RankPrefilled] = {}
             while remaining:
                 item = events.get()
                 if isinstance(item, StreamEnded):
                     remaining -= 1
                 elif isinstance(item, RankPrefilled):
-                    prefilled[item.rank] = item.ms
+                    prefilled[item.rank] = item
                 elif isinstance(item, (RankFailed, LinkBroke)):
                     if watch.failure is None:
                         watch.failure = item.message if isinstance(item, RankFailed) else self._blame(
@@ -140,7 +141,8 @@ class GenerationRun:
                 else:
                     yield item
                 if held is not None and len(prefilled) == len(self.ranks):
-                    held[0] = replace(held[0], ms=max(prefilled.values()))
+                    waits = tuple(prefilled[r].stage_wait_ms for r in sorted(prefilled))
+                    held[0] = replace(held[0], ms=max(p.ms for p in prefilled.values()), stage_wait_ms=waits)
                     yield from held
                     held = None
             if held is not None and watch.failure is None:  # a rank stopped short of prefill (cancel)
@@ -165,7 +167,7 @@ class GenerationRun:
             for event in stream:
                 which = event.WhichOneof("event")
                 if which == "prefill":
-                    events.put(RankPrefilled(r.rank, event.prefill.ms))
+                    events.put(RankPrefilled(r.rank, event.prefill.ms, event.prefill.stage_wait_ms))
                 if which == "done":
                     result.done = rank_done(event.done)
                 elif r.rank == 0:

@@ -33,5 +33,18 @@ def parse_stages(text: str) -> Stages:
     return Stages(len(numbers), numbers)
 
 
+# Of a rank's free memory, the share its weights may take under --stages auto: the rest is for the
+# K/V of a prompt and the forward's activations (the memory check refuses a prompt that does not fit).
+WEIGHT_SHARE = 0.75
+
+
+def fewest_stages(weight_bytes: int, free: list[int]) -> int:
+    """The fewest stages (dividing the ranks) in which every rank's share of the weights fits in
+    WEIGHT_SHARE of its free memory; all the ranks as stages when none does."""
+    ranks = len(free)
+    counts = [p for p in range(1, ranks + 1) if ranks % p == 0]
+    return next((p for p in counts if weight_bytes / p <= WEIGHT_SHARE * min(free)), ranks)
+
+
 def label(stages: Stages) -> str:
     return "auto" if stages.auto else ",".join(map(str, stages.layers)) or str(stages.count)

@@ -233,14 +233,16 @@ class LayerProgress(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("ms", "linear_layers", "state_combine_ms")
+    __slots__ = ("ms", "linear_layers", "state_combine_ms", "stage_wait_ms")
     MS_FIELD_NUMBER: _ClassVar[int]
     LINEAR_LAYERS_FIELD_NUMBER: _ClassVar[int]
     STATE_COMBINE_MS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     ms: float
     linear_layers: str
     state_combine_ms: float
-    def __init__(self, ms: _Optional[float] = ..., linear_layers: _Optional[str] = ..., state_combine_ms: _Optional[float] = ...) -> None: ...
+    stage_wait_ms: float
+    def __init__(self, ms: _Optional[float] = ..., linear_layers: _Optional[str] = ..., state_combine_ms: _Optional[float] = ..., stage_wait_ms: _Optional[float] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("id", "logprob", "top_ids", "top_logprobs")

@@ -31,7 +31,7 @@ from cpchat.rank.model_load import ModelShape, load_model
 from cpchat.rank.prefix_cache import CacheMiss, Found
 from cpchat.rank.prefix_keeper import PrefixKeeper
 from cpchat.rank.prefix_shard import restore
-from cpchat.rank.stages import Handoff, StagePlace, context_ring
+from cpchat.rank.stages import Handoff, StagePlace, context_ring, pipeline_cuts
 from cpchat.rank.statestore import StateStore
 from cpchat.rank.transport.ring import Ring
 
@@ -67,6 +67,7 @@ class Engine:
         self.prefix = PrefixKeeper()
         # The last token sampled and not yet read (the ring's next position): mlx-lm reads it alone.
         self.unread: tuple[int, int] | None = None
+        self.stage_waits: list[float] = []  # seconds this request's prefill waited for the stage before
 
     def load(self, path: str, kv_format: KVFormat = FULL_PRECISION, free_bytes: int = 0,
              place: Callable[[int], StagePlace] | None = None) -> ModelShape:
@@ -161,7 +162,9 @@ class Engine:
                 context_rank: int) -> Handoff | None:
         """How a forward of a pipeline stage takes and hands on hidden states (None: one stage)."""
         place = self.info.place
-        return None if place.stages == 1 else Handoff(world, place, request_id, step, abort, context_rank)
+        if place.stages == 1:
+            return None
+        return Handoff(world, place, request_id, step, abort, context_rank, self.stage_waits)
 
     def _prefill(self, req: pb.GenerateRequest, tokens: list[int], world: Ring, ring: Ring,
                  abort: threading.Event, on_layer: Callable[[int], None] | None,
@@ -265,11 +268,14 @@ class Engine:
         quantize_at = quantized_from(start, len(tokens), fmt.start, lone) \
             if fmt.quantized and not self.kv.quantized else None
         state_at = start + int(req.keep_state_at) if self.info.linear and req.keep_state_at else None
-        # Passes: the prompt is cut where the K/V turn quantized and where a state is kept.
-        inside = {c for c in (quantize_at, state_at) if c is not None and start < c < end}
+        # Passes: the prompt is cut where the K/V turn quantized, where a state is kept, and (pipeline
+        # stages) into chunks that follow one another through the stages.
+        chunks = pipeline_cuts(start, end, self.info.place.stages)
+        inside = {c for c in (quantize_at, state_at, *chunks) if c is not None and start < c < end}
         cuts = [start, *sorted(inside), end]
         passes = list(zip(cuts, cuts[1:]))
         longest = max(passes, key=lambda p: p[1] - p[0])
+        self.stage_waits = []
         self.unread = None
 
         def quantize_by(position: int) -> None:
@@ -286,8 +292,10 @@ class Engine:
                 quantize_by(a)
                 last = i == len(passes) - 1
                 logits = self._prefill(req, tokens[a - start:b - start], world, ring, abort,
-                                       on_layer if (a, b) == longest else None,
+                                       on_layer if (a, b) == longest and not chunks else None,
                                        req.request_id if last else f"{req.request_id}#{i}")
+                if chunks:  # stages: progress by passes, each through this rank's layers
+                    emit(pb.GenerateEvent(progress=pb.LayerProgress(layer=i + 1, num_layers=len(passes))))
                 if b == state_at:
                     kept.add(b)
                     self.states.snapshot(b, keep=kept)
@@ -308,7 +316,8 @@ class Engine:
                              if t.layer in self.info.linear and t.step != linear_layers.RUN_STEP)
             emit(pb.GenerateEvent(prefill=pb.PrefillDone(ms=1000 * (time.perf_counter() - t0),
                                                          linear_layers=self.linear_summary(ring.size),
-                                                         state_combine_ms=combine_ms)))
+                                                         state_combine_ms=combine_ms,
+                                                         stage_wait_ms=1000 * sum(self.stage_waits))))
             with answer.threads():
                 token = answer.run(emit, first, stop, quantize_by)
             if self.slides:
