@@ -24,6 +24,7 @@ from cpchat.checkpoints.gguf_convert import converted_dir
 from cpchat.checkpoints.named import named_gguf
 from cpchat.client.events import Token
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
+from cpchat.core.stages import Stages
 
 pytestmark = pytest.mark.slow  # a real checkpoint, its 4-bit references
 
@@ -122,6 +123,17 @@ def test_a_document_question_through_every_algorithm(clusters, smollm2, referenc
         assert_as_mlx_lm(got, reference, ids)
 
 
+@pytest.mark.parametrize("stages, ring", [(2, 1), (3, 1), (2, 2)])
+def test_pipeline_stages_answer_as_mlx_lm(clusters, smollm2, reference, tokenizer, stages, ring):
+    """Its 30 layers split over 2 or 3 stages (each rank reading only its own) of 1 or 2 context ranks."""
+    ids = chat_ids(tokenizer, document(tokenizer, 450) + "\n\nWhich BLAS does cpchat prefer on Linux?")
+    cluster = clusters.get(stages * ring, smollm2, stages=Stages(stages))
+    assert [r.layers for r in cluster.ranks[::ring]] == [(i * 30 // stages, (i + 1) * 30 // stages)
+                                                        for i in range(stages)]
+    got, _, _ = run_raw(cluster, smollm2, ids, "auto", MAX_TOKENS)
+    assert_as_mlx_lm(got, reference, ids)
+
+
 def follow_up(tokenizer, question: str) -> list[int]:
     """The tokens the chat template puts after an answer (the end of its turn, the next question) and
     before the model's next one."""
@@ -159,8 +171,9 @@ def test_a_conversation_about_a_document_prefills_only_its_new_turns(clusters, s
 def test_a_two_thousand_token_prompt(clusters, smollm2, long_reference, tokenizer):
     ids = long_ids(tokenizer)
     assert len(ids) > 2000
-    for ranks, algorithm in ((2, "pass_kv"), (4, "ulysses")):
-        got, _, _ = run_raw(clusters.get(ranks, smollm2), smollm2, ids, algorithm, MAX_TOKENS)
+    for ranks, algorithm, stages in ((2, "pass_kv", 1), (4, "ulysses", 1), (4, "pass_q", 2)):
+        cluster = clusters.get(ranks, smollm2, stages=Stages(stages))  # 2 stages: the prompt in 8 chunks
+        got, _, _ = run_raw(cluster, smollm2, ids, algorithm, MAX_TOKENS)
         assert_as_mlx_lm(got, long_reference, ids)
 
 

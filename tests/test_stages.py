@@ -19,9 +19,8 @@ from references import MlxReference, low_precision_noise, reference_generate
 
 from cpchat.client.events import Progress
 from cpchat.core.quantized_kv import KVFormat
-from cpchat.core.stages import ONE_STAGE, Stages, parse_stages
+from cpchat.core.stages import ONE_STAGE, Stages, parse_stages, pipeline_cuts, pipeline_seconds
 from cpchat.errors import BadInput
-from cpchat.rank.stages import pipeline_cuts
 from cpchat.smallmodels import write_model
 
 MAX_TOKENS = 6
@@ -173,6 +172,9 @@ def test_a_prompt_is_cut_into_chunks_for_the_stages():
     assert pipeline_cuts(0, 1100, 2) == [275, 550, 825]  # 4 chunks of at least 256 tokens
     assert pipeline_cuts(100, 100 + 8 * 1024, 2) == [100 + 1024 * i for i in range(1, 8)]  # 4 a stage
     assert pipeline_cuts(0, 300, 3) == []  # one chunk
+    assert pipeline_seconds([4.0], 1) == 4.0
+    assert pipeline_seconds([1.0, 1.0], 4) == pytest.approx(1.25)  # (4 + 2 - 1) chunks of 0.25 s
+    assert pipeline_seconds([1.0, 3.0], 3) == pytest.approx(4 / 3 + 2)  # the slow stage sets the pace
 
 
 def test_stages_are_parsed():

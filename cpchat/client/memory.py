@@ -4,7 +4,7 @@ rank's Health report, asked just before the prefill is sent."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from cpchat.core.heuristics import Workload
 from cpchat.core.memory import ForwardMemory, Need, kv_bytes_per_token, prefill_needs
@@ -27,8 +27,18 @@ class MemoryShortfall(BadInput):
                          f"{human_bytes(need.free_bytes)} free{hint}")
 
 
+@dataclass(frozen=True)
+class StageSplit:
+    """How the ranks split the model now (cpchat.core.stages): `stages` stages of all `ranks`, each
+    rank holding `weight_bytes` of weights and its stage's `layers` (w.layers)."""
+
+    stages: int
+    ranks: int
+    weight_bytes: int
+
+
 def shortfall(w: Workload, algorithm: str, forward: list[ForwardMemory], free: list[int], answer_tokens: int,
-              labels: list[str]) -> MemoryShortfall | None:
+              labels: list[str], split: StageSplit | None = None) -> MemoryShortfall | None:
     """The first rank that cannot hold this prefill, with what would fit; None if every rank can."""
     needs = prefill_needs(w, algorithm, forward, free, answer_tokens)
     short = next((n for n in needs if not n.fits), None)
@@ -46,6 +56,13 @@ def shortfall(w: Workload, algorithm: str, forward: list[ForwardMemory], free: l
                   if fits(replace(w, ranks=n, shares=None))), None)
     if ranks:
         suggestions.append(f"{ranks} ranks like it would hold it")
+    if split is not None:  # more stages of the same ranks: fewer layers' K/V and weights on each
+        more = (p for p in range(split.stages + 1, split.ranks + 1) if split.ranks % p == 0)
+        stages = next((p for p in more if fits(
+            replace(w, ranks=split.ranks // p, layers=-(-w.layers * split.stages // p), shares=None),
+            freed=split.weight_bytes * (1 - split.stages / p))), None)
+        if stages:
+            suggestions.append(f"--stages {stages} would hold it")
     if not w.kv_format.quantized and w.cached_tokens:  # the K/V held now would shrink
         quantized = replace(w, kv_format=KVFormat(4, 64, 0))
         freed = w.cached_tokens / w.ranks * (kv_bytes_per_token(w) - kv_bytes_per_token(quantized))

@@ -16,9 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cpchat.client.events import RankStats
-from cpchat.client.memory import shortfall
 from cpchat.client.planner import Planner
-from cpchat.core.estimate import rank_seconds
 from cpchat.core.heuristics import decode_estimates, transfer_seconds
 from cpchat.core.memory import gather_bytes, kv_bytes_per_token, prefill_needs
 from cpchat.core.sharding import rank_tokens
@@ -52,35 +50,41 @@ class Plan:
 
 
 def make_plan(planner: Planner, context: int, answer_tokens: int) -> Plan:
-    """The plan for a prompt of `context` tokens (and an answer of `answer_tokens`) on the planner's ranks."""
+    """The plan for a prompt of `context` tokens (and an answer of `answer_tokens`) on the planner's ranks:
+    each pipeline stage's ranks hold the K/V of their stage's layers."""
     cluster = planner.cluster
-    w = planner.workload(context, 0)
     algorithm = planner.choose_algorithm(context, 0).algorithm
-    free = cluster.free_memory()
-    needs = prefill_needs(w, algorithm, cluster.forward_memory, free, answer_tokens)
-    stats = cluster.stats_once()
-    held = rank_tokens(context, cluster.size, w.shares)  # and each rank's share of the answer's
-    answer = [n.answer_bytes / kv_bytes_per_token(w) for n in needs]
-    ranks = [RankPlan(r.label, cluster.model.weight_bytes, (t + a) * kv_bytes_per_token(w),
-                      _peak(r.computes_on_cpu, s, n.total), n.total, n.free_bytes, t)
-             for r, s, n, t, a in zip(cluster.ranks, stats, needs, held, answer, strict=True)]
     decode_step = planner.decode_exchange(context, answer_tokens)
-    if decode_step == "gather":  # rank 0 also holds every other rank's K/V while it answers
-        copy = gather_bytes(w, context, answer_tokens)
-        r0 = ranks[0]
-        ranks[0] = replace(r0, peak_bytes=max(r0.peak_bytes, stats[0].rss_bytes + r0.kv_bytes + copy))
-    cost = cluster.prefill_cost
+    free = cluster.free_memory()
+    stats = cluster.stats_once()
+    ranks = []
+    for stage in range(cluster.stages):
+        members = cluster.stage_ranks(stage)
+        w = planner.stage_workload(stage, context, 0)
+        needs = prefill_needs(w, algorithm, [cluster.forward_memory[i] for i in members],
+                              [free[i] for i in members], answer_tokens)
+        held = rank_tokens(context, cluster.ring_size, w.shares)  # and each rank's share of the answer's
+        for i, n, t in zip(members, needs, held, strict=True):
+            r, answer = cluster.ranks[i], n.answer_bytes / kv_bytes_per_token(w)
+            plan = RankPlan(r.label, r.weight_bytes or cluster.model.weight_bytes,
+                            (t + answer) * kv_bytes_per_token(w), _peak(r.computes_on_cpu, stats[i], n.total),
+                            n.total, n.free_bytes, t)
+            if decode_step == "gather" and i == members[0]:  # it also holds its stage's other ranks' K/V
+                copy = stats[i].rss_bytes + plan.kv_bytes + gather_bytes(w, context, answer_tokens)
+                plan = replace(plan, peak_bytes=max(plan.peak_bytes, copy))
+            ranks.append(plan)
     ttft = decode = None
-    if cost is not None and cost.per_token_s:
+    seconds = planner.prefill_seconds(context, 0)
+    if seconds is not None:
         measured = planner.measured()
-        ttft = max(rank_seconds(cluster.rank_costs, context, 0, cluster.model.groups, w.shares))
-        ttft += transfer_seconds(w, measured, algorithm)
-        attending = 1 if decode_step == "gather" else cluster.size  # ranks the keys are split between
-        step = cost.step_s + cost.per_pair_s * context / attending
+        ttft = seconds + transfer_seconds(planner.workload(context, 0), measured, algorithm)
+        attending = 1 if decode_step == "gather" else cluster.ring_size  # ranks the keys are split between
+        step = sum(max(cluster.rank_costs[i].step_s + cluster.rank_costs[i].per_pair_s * context / attending
+                       for i in cluster.stage_ranks(s)) for s in range(cluster.stages))  # one after another
         step += decode_estimates(planner.workload(1, context), measured)[decode_step]
+        step += (cluster.stages - 1) * cluster.hop_latency_s  # each stage hands the token's hidden state on
         decode = 1 / step
-    labels = [r.label for r in cluster.ranks]
-    refused = shortfall(w, algorithm, cluster.forward_memory, free, answer_tokens, labels)
+    refused = planner.memory_shortfall(context, 0, algorithm, answer_tokens)
     return Plan(context, algorithm, ranks, ttft, decode, str(refused) if refused else "",
                 cluster.model.max_context)
 

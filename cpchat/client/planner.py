@@ -8,12 +8,13 @@ from dataclasses import replace
 
 from cpchat.client.cluster import Cluster
 from cpchat.client.events import AlgorithmChoice
-from cpchat.client.memory import MemoryShortfall, shortfall
+from cpchat.client.memory import MemoryShortfall, StageSplit, shortfall
 from cpchat.client.settings import parse_shares
 from cpchat.core.estimate import balanced_shares, rank_seconds
 from cpchat.core.heuristics import GATHER_SHARE, Measured, Workload, choose_algorithm, choose_decode
 from cpchat.core.memory import gather_bytes
 from cpchat.core.sharding import Shares
+from cpchat.core.stages import pipeline_cuts, pipeline_seconds
 from cpchat.errors import BadInput
 
 
@@ -37,9 +38,9 @@ class Planner:
         if not c.rank_costs or not all(cost.per_token_s for cost in c.rank_costs):
             return None
         shares = self.shares_for(new, keep)
-        return sum(max(rank_seconds([c.rank_costs[r] for r in c.stage_ranks(s)], new, keep, c.model.groups,
-                                    shares))
-                   for s in range(c.stages))  # the stages run one after another
+        stages = [max(rank_seconds([c.rank_costs[r] for r in c.stage_ranks(s)], new, keep, c.model.groups,
+                                   shares)) for s in range(c.stages)]
+        return pipeline_seconds(stages, len(pipeline_cuts(keep, keep + new, c.stages)) + 1)
 
     def shares_for(self, new_tokens: int, cached_tokens: int) -> Shares | None:
         """Each rank's share of a prefill of `new_tokens` (None: equal ones)."""
@@ -60,14 +61,21 @@ class Planner:
         free = c.free_memory()
         for s in range(c.stages):  # each stage's ranks hold the K/V of its layers
             ranks = c.stage_ranks(s)
-            head = c.ranks[ranks[0]]
-            w = replace(self.workload(new_tokens, cached_tokens),
-                        layers=max(head.layers[1] - head.layers[0] - head.state_layers, 1))
-            refused = shortfall(w, algorithm, [c.forward_memory[r] for r in ranks], [free[r] for r in ranks],
-                                answer_tokens, [c.ranks[r].label for r in ranks])
+            split = StageSplit(c.stages, c.size, max(c.ranks[r].weight_bytes for r in ranks))
+            refused = shortfall(self.stage_workload(s, new_tokens, cached_tokens), algorithm,
+                                [c.forward_memory[r] for r in ranks], [free[r] for r in ranks], answer_tokens,
+                                [c.ranks[r].label for r in ranks], split)
             if refused is not None:
                 return refused
         return None
+
+    def stage_workload(self, stage: int, new_tokens: int, cached_tokens: int) -> Workload:
+        """The workload of one pipeline stage's ranks: the K/V of its attention layers."""
+        w = self.workload(new_tokens, cached_tokens)
+        head = self.cluster.ranks[self.cluster.stage_ranks(stage)[0]]
+        if self.cluster.stages == 1 or head.layers == (0, 0):
+            return w
+        return replace(w, layers=max(head.layers[1] - head.layers[0] - head.state_layers, 1))
 
     def prefill_shares(self, new_tokens: int, cached_tokens: int, algorithm: str, answer_tokens: int
                        ) -> Shares | None:

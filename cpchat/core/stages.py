@@ -33,6 +33,27 @@ def parse_stages(text: str) -> Stages:
     return Stages(len(numbers), numbers)
 
 
+# A prompt through P stages goes in up to CHUNKS_PER_STAGE * P chunks of at least MIN_CHUNK tokens: while
+# stage s runs chunk k, stage s + 1 runs chunk k - 1, and the stages wait (the pipeline's bubble) only
+# while the first chunks fill the pipeline and the last ones drain it: about (P - 1) / (chunks + P - 1).
+CHUNKS_PER_STAGE = 4
+MIN_CHUNK = 256
+
+
+def pipeline_cuts(start: int, end: int, stages: int) -> list[int]:
+    """Where a prefill of positions [start, end) is cut into chunks for `stages` stages (none for one)."""
+    if stages == 1:
+        return []
+    chunks = max(1, min(CHUNKS_PER_STAGE * stages, (end - start) // MIN_CHUNK))
+    return [start + (end - start) * i // chunks for i in range(1, chunks)]
+
+
+def pipeline_seconds(stage_seconds: list[float], chunks: int) -> float:
+    """A prefill through stages that take `stage_seconds` each for the whole prompt, cut in `chunks`:
+    the first chunk goes through every stage, and the slowest stage sets the pace of the others."""
+    return sum(stage_seconds) / chunks + max(stage_seconds) * (chunks - 1) / chunks
+
+
 # Of a rank's free memory, the share its weights may take under --stages auto: the rest is for the
 # K/V of a prompt and the forward's activations (the memory check refuses a prompt that does not fit).
 WEIGHT_SHARE = 0.75

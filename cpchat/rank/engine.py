@@ -18,6 +18,7 @@ from cpchat.core.estimate import PrefillCost
 from cpchat.core.memory import ForwardMemory
 from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat, quantized_from
 from cpchat.core.sharding import Shares, head_tail_layout, owner_of, owners
+from cpchat.core.stages import pipeline_cuts
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import gathered, linear_layers
 from cpchat.rank.algorithms import ATTEND, DECODE, PREFILL
@@ -31,7 +32,7 @@ from cpchat.rank.model_load import ModelShape, load_model
 from cpchat.rank.prefix_cache import CacheMiss, Found
 from cpchat.rank.prefix_keeper import PrefixKeeper
 from cpchat.rank.prefix_shard import restore
-from cpchat.rank.stages import Handoff, StagePlace, context_ring, pipeline_cuts
+from cpchat.rank.stages import Handoff, StagePlace, context_ring
 from cpchat.rank.statestore import StateStore
 from cpchat.rank.transport.ring import Ring
 

@@ -86,21 +86,6 @@ def one_stage(layers: int) -> StagePlace:
     return StagePlace(0, 1, 0, 0, layers)
 
 
-# A prompt through P stages goes in up to CHUNKS_PER_STAGE * P chunks of at least MIN_CHUNK tokens: while
-# stage s runs chunk k, stage s + 1 runs chunk k - 1, and the stages wait (the pipeline's bubble) only
-# while the first chunks fill the pipeline and the last ones drain it: about (P - 1) / (chunks + P - 1).
-CHUNKS_PER_STAGE = 4
-MIN_CHUNK = 256
-
-
-def pipeline_cuts(start: int, end: int, stages: int) -> list[int]:
-    """Where a prefill of positions [start, end) is cut into chunks for `stages` stages (none for one)."""
-    if stages == 1:
-        return []
-    chunks = max(1, min(CHUNKS_PER_STAGE * stages, (end - start) // MIN_CHUNK))
-    return [start + (end - start) * i // chunks for i in range(1, chunks)]
-
-
 # ---- the ring of a stage
 
 
