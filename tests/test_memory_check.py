@@ -16,7 +16,7 @@ from pilot import RANKS, SIZE, attach_with_question, ready, until
 from rankprocs import loaded_ring, start_ranks
 
 from cpchat.client.cluster import Cluster
-from cpchat.client.memory import MemoryShortfall, shortfall
+from cpchat.client.memory import MemoryShortfall, StageSplit, shortfall
 from cpchat.client.plan import make_plan, plan_lines
 from cpchat.client.settings import Settings
 from cpchat.core.heuristics import Workload
@@ -104,6 +104,20 @@ def test_a_shortfall_says_what_would_fit():
     assert "--kv-bits 4" in str(shortfall(held, "pass_kv", FORWARD, [int(need * 0.9)] * 2, 16, ["r", "r"]))
     assert "--kv-bits" not in str(shortfall(replace(held, kv_format=KVFormat(4)), "pass_kv", FORWARD,
                                            [int(need * 0.1)] * 2, 16, ["r", "r"]))
+
+
+def test_more_stages_are_suggested_where_the_weights_they_free_would_hold_it():
+    """The same two ranks as two pipeline stages each hold half the layers' K/V of all the tokens and
+    half the weights: suggested where the weights freed make the room, not otherwise."""
+    need = prefill_needs(WORKLOAD, "pass_kv", FORWARD, [0, 0], 16)[0].total
+    staged = replace(WORKLOAD, ranks=1, layers=WORKLOAD.layers // 2)
+    need_staged = prefill_needs(staged, "pass_kv", FORWARD[:1], [0], 16)[0].total
+    free = int(need) - 1
+    weights = int(2 * (need_staged - free)) + (1 << 20)  # half of them freed: enough
+    refused = shortfall(WORKLOAD, "pass_kv", FORWARD, [free] * 2, 16, ["r", "r"], StageSplit(1, 2, weights))
+    assert "--stages 2 would hold it" in str(refused)
+    refused = shortfall(WORKLOAD, "pass_kv", FORWARD, [free] * 2, 16, ["r", "r"], StageSplit(1, 2, weights // 4))
+    assert refused is not None and "--stages" not in str(refused)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from helpers import (
 from references import MlxReference, low_precision_noise, reference_generate
 
 from cpchat.client.events import Progress
+from cpchat.client.plan import make_plan
+from cpchat.client.planner import Planner
 from cpchat.core.quantized_kv import KVFormat
 from cpchat.core.stages import ONE_STAGE, Stages, parse_stages, pipeline_cuts, pipeline_seconds
 from cpchat.errors import BadInput
@@ -100,6 +102,19 @@ def test_each_rank_holds_only_its_stages_weights(clusters, deep_model):
     assert held[0] + held[3] - 2 * layer < whole - 4 * layer + 1024  # embedding + head + norm, no more
     cluster = clusters.get(2, path, stages=parse_stages("1,3"))
     assert [r.layers for r in cluster.ranks] == [(0, 1), (1, 4)]
+
+
+def test_a_plan_counts_each_stages_layers_and_weights(clusters, deep_model):
+    """Two ranks as two stages hold every token's K/V of half the layers: as much as the two ranks of
+    one stage hold of half the tokens in every layer; and half the weights each."""
+    path = deep_model("llama")
+    one = make_plan(Planner(clusters.get(2, path)), 1000, 16)
+    two = make_plan(Planner(clusters.get(2, path, stages=Stages(2))), 1000, 16)
+    assert [r.tokens for r in one.ranks] == [500, 500] and [r.tokens for r in two.ranks] == [1000, 1000]
+    for a, b in zip(one.ranks, two.ranks, strict=True):
+        assert b.kv_bytes == pytest.approx(a.kv_bytes)  # (1000 + 16) x 2 layers = (500 + 8) x 4 layers
+        assert b.weight_bytes < a.weight_bytes
+    assert not two.refusal and two.ttft_s and two.decode_tokens_per_s
 
 
 @pytest.mark.slow
