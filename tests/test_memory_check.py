@@ -114,9 +114,10 @@ def test_more_stages_are_suggested_where_the_weights_they_free_would_hold_it():
     need_staged = prefill_needs(staged, "pass_kv", FORWARD[:1], [0], 16)[0].total
     free = int(need) - 1
     weights = int(2 * (need_staged - free)) + (1 << 20)  # half of them freed: enough
-    refused = shortfall(WORKLOAD, "pass_kv", FORWARD, [free] * 2, 16, ["r", "r"], StageSplit(1, 2, weights))
+    labels = ["r", "r"]
+    refused = shortfall(WORKLOAD, "pass_kv", FORWARD, [free] * 2, 16, labels, StageSplit(1, 2, weights))
     assert "--stages 2 would hold it" in str(refused)
-    refused = shortfall(WORKLOAD, "pass_kv", FORWARD, [free] * 2, 16, ["r", "r"], StageSplit(1, 2, weights // 4))
+    refused = shortfall(WORKLOAD, "pass_kv", FORWARD, [free] * 2, 16, labels, StageSplit(1, 2, weights // 4))
     assert refused is not None and "--stages" not in str(refused)
 
 

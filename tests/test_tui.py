@@ -36,6 +36,7 @@ from cpchat.client.cluster import Cluster
 from cpchat.client.settings import Settings
 from cpchat.client.transcripts import TranscriptStore
 from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
+from cpchat.core.stages import ONE_STAGE, Stages
 from cpchat.smallmodels import write_model
 from cpchat.tui import chat
 from cpchat.tui.app import CpchatApp
@@ -77,11 +78,11 @@ def model(model_dir) -> Path:
 @pytest.fixture
 def make_app(clusters, model, tmp_path) -> Callable[..., CpchatApp]:
     def make(max_tokens: int = 8, cls: type[CpchatApp] = CpchatApp, path: Path | None = None,
-             kv: KVFormat = FULL_PRECISION, **kwargs) -> CpchatApp:
+             kv: KVFormat = FULL_PRECISION, stages: Stages = ONE_STAGE, **kwargs) -> CpchatApp:
         """An app on the shared cluster of RANKS ranks, with the llama test model or `path` loaded (its
-        K/V kept as `kv` says)."""
+        K/V kept as `kv` says, its layers over `stages`)."""
         path = path or model
-        cluster = clusters.get(RANKS, path, kv=kv)
+        cluster = clusters.get(RANKS, path, kv=kv, stages=stages)
         return cls(Settings(max_tokens=max_tokens, seed=1), cluster=cluster, model_path=str(path),
                          transcripts=tmp_path / "transcripts", **kwargs)
 
@@ -489,6 +490,18 @@ async def test_the_prefill_estimate_counts_down_or_stays_silent():
         bar.hide()
         bar.show("prefill", "Prefill, layer", 2, 8, expected_s=0.5)
         assert str(label.render()) == "Prefill, layer 2/8"
+
+
+@pytest.mark.slow
+async def test_the_panels_show_each_ranks_stage_and_the_pipelines_wait(make_app):
+    app = make_app(stages=Stages(2))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert [row.place for row in app.query(RankRow)] == ["stage 0 · layer 0", "stage 1 · layer 1"]
+        assert "stage 1 · layer 1" in str(app.query(RankRow).last().render())
+        await send(pilot, " ".join(["word"] * 700))  # long enough to go through the stages in chunks
+        assert re.fullmatch(r"2 stages: waited up to [\d,]+ ms \(\d+% of the prefill\)",
+                            app.query_one(RingPanel).pipeline)
 
 
 @pytest.mark.slow

@@ -103,8 +103,8 @@ class BackendJobs:
     def ready(self, description: str = "") -> BackendReady:
         cluster = self.backend.cluster
         assert cluster is not None and cluster.model is not None
-        ranks = [RankInfo(r.rank, r.address, r.blas_label, r.slow_blas, r.blas.threads, speed)
-                 for r, speed in zip(cluster.ranks, cluster.speeds(), strict=True)]
+        ranks = [RankInfo(r.rank, r.address, r.blas_label, r.slow_blas, r.blas.threads, speed, r.stage,
+                          r.layers) for r, speed in zip(cluster.ranks, cluster.speeds(), strict=True)]
         return BackendReady(cluster.model, ranks, description, cluster.slow_blas_warning(),
                             cluster.transport_label)
 

@@ -25,6 +25,8 @@ class RankInfo:
     slow_blas: bool = False
     threads: int = 0
     speed: float = 0.0  # tokens a second its forward runs, as it measured when the model loaded
+    stage: int = 0  # the pipeline stage it runs (--stages)
+    layers: tuple[int, int] = (0, 0)  # the layers [first, end) it runs
 
 
 class BackendReady(Message):

@@ -1,6 +1,6 @@
-"""One rank in the Ranks panel: state, KV held (a bar against the largest), the recurrent state of
-linear-attention layers (models that have them), its speed and share of the last prefill, memory and
-BLAS."""
+"""One rank in the Ranks panel: state, its pipeline stage and layers (with --stages), KV held (a bar
+against the largest), the recurrent state of linear-attention layers (models that have them), its
+speed and share of the last prefill, memory and BLAS."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ class RankRow(Widget):
     largest_kv: reactive[int] = reactive(0)
     speed: reactive[float] = reactive(0.0)  # tokens/s of its forward, measured at load (0: unknown)
     share: reactive[float | None] = reactive(None)  # its part of the last prefill's new tokens
+    place: reactive[str] = reactive("")  # its pipeline stage and layers ("": every layer)
 
     def __init__(self, stats: RankStats) -> None:
         super().__init__(classes="rank-row")
@@ -44,6 +45,8 @@ class RankRow(Widget):
         style = STATE_STYLES.get(s.state, "")
         head = [(f"● {s.rank} ", style), (s.address or "—", "bold"), "  ", (s.state, style), "\n"]
         text = Text.assemble(*head)
+        if self.place:
+            text.append(self.place + "\n", "blue")
         fraction = s.kv_bytes / self.largest_kv if self.largest_kv else 0.0
         kv = f" {human_count(s.kv_tokens)} tok {human_bytes(s.kv_bytes)}\n"
         text.append_text(Text.assemble("KV ", (bar(fraction, BAR_WIDTH), "magenta"), kv))

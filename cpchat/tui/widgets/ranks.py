@@ -19,6 +19,8 @@ class RanksPanel(VerticalGroup):
     kv_bits: reactive[int] = reactive(0)  # K/V quantized to this many bits (--kv-bits), 0: not
     speeds: reactive[tuple[float, ...]] = reactive(())  # tokens/s each rank measured at load
     shares: reactive[tuple[int, ...]] = reactive(())  # the new tokens each rank took in the last prefill
+    places: reactive[tuple[str, ...]] = reactive(())  # each rank's pipeline stage and layers ("": one stage)
+    stages = 1  # pipeline stages of the ring: shares are of a stage's ranks, the same in every stage
 
     def watch_kv_bits(self, bits: int) -> None:
         self.border_subtitle = f"K/V {bits}-bit" if bits else ""
@@ -29,11 +31,16 @@ class RanksPanel(VerticalGroup):
     def watch_shares(self) -> None:
         self._share_out()
 
+    def watch_places(self, places: tuple[str, ...]) -> None:
+        for rank, row in self.rows.items():
+            row.place = places[rank] if rank < len(places) else ""
+
     def _share_out(self) -> None:
         total = sum(self.shares)
         for rank, row in self.rows.items():
             row.speed = self.speeds[rank] if rank < len(self.speeds) else 0.0
-            row.share = self.shares[rank] / total if total and rank < len(self.shares) else None
+            share = self.shares[rank % len(self.shares)] if self.shares else 0
+            row.share = share / total if total and rank < self.stages * len(self.shares) else None
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -47,6 +54,7 @@ class RanksPanel(VerticalGroup):
         await self.mount_all(self.rows.values())
         self.shares = ()
         self._share_out()
+        self.watch_places(self.places)
         self._rescale()
 
     def update_stats(self, stats: RankStats) -> None:

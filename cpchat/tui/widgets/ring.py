@@ -34,6 +34,7 @@ class RingPanel(VerticalGroup):
     choice: reactive[AlgorithmChoice | None] = reactive(None)
     linear: reactive[str] = reactive("")  # how the last prefill ran the linear-attention layers, if any
     cache: reactive[str] = reactive("")  # where the last prefill's cached tokens came from, if any
+    pipeline: reactive[str] = reactive("")  # how long the last prefill's stages waited for each other
     shown: reactive[str] = reactive("auto")  # the algorithm the panel names
 
     def __init__(self, **kwargs) -> None:
@@ -63,6 +64,9 @@ class RingPanel(VerticalGroup):
         self._refresh_text()
 
     def watch_cache(self) -> None:
+        self._refresh_text()
+
+    def watch_pipeline(self) -> None:
         self._refresh_text()
 
     def show_stats(self, stats: RankStats) -> None:
@@ -108,7 +112,20 @@ class RingPanel(VerticalGroup):
             reason.append(f"\n{self.cache}", "green")
         if self.linear:
             reason.append(f"\n{self.linear}", "italic")
+        if self.pipeline:
+            reason.append(f"\n{self.pipeline}", "blue")
         self.query_one("#ring-reason", Static).update(reason)
+
+
+def pipeline_words(prefill: Prefill, stages: int) -> str:
+    """The pipeline's bubble in the last prefill: how long the stages after the first waited for the
+    one before ("" for one stage)."""
+    waits = prefill.stage_wait_ms
+    if stages < 2 or not waits or not prefill.ms:
+        return ""
+    ring = len(waits) // stages
+    waited = max(waits[ring:])
+    return f"{stages} stages: waited up to {waited:,.0f} ms ({waited / prefill.ms:.0%} of the prefill)"
 
 
 def cache_words(prefill: Prefill) -> str:

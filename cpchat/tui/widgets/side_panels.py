@@ -10,8 +10,12 @@ from textual.containers import VerticalScroll
 from cpchat.client.events import RankStats
 from cpchat.tui.messages import BackendReady, PrefillDone
 from cpchat.tui.widgets.ranks import RanksPanel
-from cpchat.tui.widgets.ring import RingPanel, cache_words
+from cpchat.tui.widgets.ring import RingPanel, cache_words, pipeline_words
 from cpchat.tui.widgets.throughput import ThroughputPanel
+
+
+def layer_words(first: int, end: int) -> str:
+    return f"layers {first}–{end - 1}" if end - first > 1 else f"layer {first}"
 
 
 class SidePanels(VerticalScroll):
@@ -32,6 +36,10 @@ class SidePanels(VerticalScroll):
                                               threads=r.threads)
                                     for r in message.ranks])
         self.ranks.speeds = tuple(r.speed for r in message.ranks)
+        self.ranks.stages = message.model.stages
+        staged = message.model.stages > 1
+        self.ranks.places = tuple(f"stage {r.stage} · {layer_words(*r.layers)}" if staged else ""
+                                  for r in message.ranks)
         self.throughput.context_max = message.model.max_context
         self.ranks.kv_bits = message.model.kv_format.bits
         self.ring.transport = message.transport
@@ -49,6 +57,7 @@ class SidePanels(VerticalScroll):
             self.ring.choice = message.choice
         self.ring.linear = message.prefill.linear_layers
         self.ring.cache = cache_words(message.prefill)
+        self.ring.pipeline = pipeline_words(message.prefill, self.ranks.stages)
         self.ranks.shares = tuple(message.prefill.shares)
         self.throughput.prefill = message.prefill
 
