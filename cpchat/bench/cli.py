@@ -58,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
                                       f"with --prefix-cache {PREFIX_CACHE_DEFAULTS['contexts']})")
     p.add_argument("--ranks", help=f"comma-separated rank counts (default {DEFAULTS['ranks']}; with "
                                    f"--prefix-cache {PREFIX_CACHE_DEFAULTS['ranks']})")
+    p.add_argument("--stages", default="1", metavar="LIST",
+                   help="pipeline stages of the cpchat rows: a comma list (default 1); a row for each that "
+                        "divides the rank count (e.g. --ranks 2,4 --stages 1,2)")
     p.add_argument("--kv-bits", default="0", metavar="LIST",
                    help="K/V formats to measure, cpchat's and mlx-lm's alike: a comma list of 0 (the model's "
                         "dtype), 8 and 4 (default 0)")
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         args.hidden, args.layers, args.contexts, args.ranks = 256, 4, "512,1024", "1,2"
         args.repeats, args.decode, args.transport = 1, 8, "1,16"
     try:  # before anything runs: a typo found after an hour's runs would lose them
-        for flag in ("contexts", "ranks", "transport", "attention"):
+        for flag in ("contexts", "ranks", "stages", "transport", "attention"):
             setattr(args, flag, counts(f"--{flag}", getattr(args, flag) or ""))
         blas_modes = blas_choices(args.blas)
     except (ValueError, blas.BlasUnavailable) as e:

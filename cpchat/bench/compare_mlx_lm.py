@@ -32,6 +32,7 @@ from cpchat.client.plan import make_plan
 from cpchat.client.planner import Planner
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.core.quantized_kv import BITS, FULL_PRECISION, KVFormat
+from cpchat.core.stages import Stages
 
 
 @dataclass
@@ -102,7 +103,8 @@ def run_comparison(args, blas_modes: list[str], command: str) -> int:
                 for context in contexts:
                     rows.append(run_baseline(model, context, args, blas_choice, kv))
                     report_progress(rows[-1])
-            clusters = [(n, plane) for n in ranks for plane in (planes if n > 1 else planes[:1])]
+            clusters = [(n, plane, p) for n in ranks for plane in (planes if n > 1 else planes[:1])
+                        for p in args.stages if n % p == 0]
             rows.extend(run_cpchat(model, clusters, contexts, args, blas_choice, kv))
     sizes = [s * MB for s in args.transport]
     transport = run_transport(sizes, args.repeats) if sizes else []
@@ -177,23 +179,24 @@ class Contestant:
     @property
     def system(self) -> str:
         plane = f" {self.cluster.transport_label}" if self.n > 1 and self.transport != "auto" else ""
-        return f"cpchat N={self.n}{plane}{_kv_label(self.cluster.model.kv_format)}"
+        stages = f" P={self.cluster.stages}" if self.cluster.stages > 1 else ""
+        return f"cpchat N={self.n}{stages}{plane}{_kv_label(self.cluster.model.kv_format)}"
 
 
-def run_cpchat(model: str, clusters: list[tuple[int, str]], contexts: list[int], args, blas_choice: str,
-               kv: KVFormat = FULL_PRECISION) -> list[SystemRow]:
-    """cpchat's rows, one per cluster (n ranks, transport) and context. Every cluster stays up while
-    the repeats go round them in turn, so the machine's noise falls on all of them alike and their
-    ratios are side by side."""
+def run_cpchat(model: str, clusters: list[tuple[int, str, int]], contexts: list[int], args,
+               blas_choice: str, kv: KVFormat = FULL_PRECISION) -> list[SystemRow]:
+    """cpchat's rows, one per cluster (n ranks, transport, pipeline stages) and context. Every cluster
+    stays up while the repeats go round them in turn, so the machine's noise falls on all of them alike
+    and their ratios are side by side."""
     contestants: list[Contestant] = []
     rows = []
     try:
-        for n, transport in clusters:
+        for n, transport, stages in clusters:
             cluster = Cluster.launch(n, blas_choice=blas_choice, pin_cpus=args.pin, transport=transport,
                                      threads=args.threads)
             contestants.append(Contestant(n, transport, cluster, 0.0))
             cluster.connect()
-            cluster.load(model, kv_format=kv)
+            cluster.load(model, kv_format=kv, stages=Stages(stages))
             contestants[-1].bandwidth = ring_link(cluster, 16 * MB)[0] if n > 1 else 0.0
         tokenizer = load_tokenizer(model)
         weights_flops = linear_flops_per_token(model)
