@@ -8,11 +8,14 @@ import pytest
 from helpers import (
     ALGORITHMS,
     assert_same,
+    events,
     next_turn,
+    one_line_error,
     prefill_event,
     question_ids,
     random_prompt,
     raw_session,
+    run,
     run_raw,
 )
 from references import MlxReference, low_precision_noise, reference_generate
@@ -180,6 +183,31 @@ def test_a_split_that_cannot_be_made_is_refused(clusters, deep_model):
     with pytest.raises(BadInput, match="2 stages for a model of 1 layers|at most one stage a layer"):
         cluster.load(str(write_model(path.parent / "one-layer", "llama", num_layers=1)), stages=Stages(2))
     clusters.loaded.clear()  # the ranks keep whatever they loaded last
+
+
+@pytest.mark.slow
+def test_headless_stages_and_what_they_say(tmp_path):
+    """`cpchat --headless --stages 2`: the ready event names each rank's stage, layers and weights; the
+    answer is the one-stage answer; the prefix cache is not used across stages yet (nothing saved); a
+    split that cannot be made is one line and exit 2."""
+    def run_turn(cache: str, *flags: str) -> list[dict]:
+        result = run(["--headless", "--json", "--ranks", "2", "--prompt", "What does a rank hold?",
+                      "--max-tokens", "6", "--cache-dir", str(tmp_path / cache), *flags])
+        assert result.returncode == 0, result.stderr
+        return events(result.stdout)
+
+    staged, whole = run_turn("staged", "--stages", "2"), run_turn("whole")
+    ready = staged[0]
+    assert ready["event"] == "ready" and ready["stages"] == 2
+    assert [(r["stage"], r["layers"]) for r in ready["ranks"]] == [(0, [0, 3]), (1, [3, 6])]  # the demo's 6
+    assert all(0 < r["weight_bytes"] < w["weight_bytes"] for r, w in zip(ready["ranks"], whole[0]["ranks"]))
+    tokens = [[e["id"] for e in run if e["event"] == "token"] for run in (staged, whole)]
+    assert tokens[0] == tokens[1] and tokens[0]
+    assert next(e for e in staged if e["event"] == "prefill")["cache"] == "none"
+    assert not list((tmp_path / "staged").glob("**/*.kvp"))
+    for stages, says in (("4", "--stages 4 does not divide 2 ranks"),
+                         ("2,2", "layer counts 2,2 do not split the model's 6 layers into 2 stages")):
+        one_line_error(run(["--headless", "--ranks", "2", "--stages", stages, "--prompt", "hi"]), 2, says)
 
 
 def test_a_prompt_is_cut_into_chunks_for_the_stages():

@@ -183,7 +183,7 @@ class Session:
         """Whether a saved prefix could beat what the ring holds: not when the ring holds this very
         conversation (a later turn's), nor when too little is left to prefill."""
         continued = bool(self.held) and keep >= len(self.held) - MIN_GAIN
-        return self.prefix_cache and not continued and len(tokens) - 1 - keep >= MIN_GAIN
+        return self.caching and not continued and len(tokens) - 1 - keep >= MIN_GAIN
 
     def new_tokens(self, turn: Turn) -> int:
         """The prompt tokens the ranks do not hold yet: what its prefill computes."""
@@ -231,6 +231,11 @@ class Session:
         self.held, self.saved = full[: choice.tokens], choice.tokens
         self.keep_floor, self.state_positions = loaded.keep_floor, list(loaded.state_positions)
         return choice
+
+    @property
+    def caching(self) -> bool:
+        """Whether turns use the prefix cache: asked for, and one stage (a cache per stage is to come)."""
+        return self.prefix_cache and self.cluster.stages == 1
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -326,8 +331,8 @@ class Session:
             algorithm=choice.algorithm, decode=self.planner.decode_exchange(len(full), answer_tokens),
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed,
             stop_tokens=[] if self.sampling.ignore_eos else sorted(self.tokenizer.eos_token_ids),
-            save_prefix=self.prefix_cache and len(full) - self.saved >= self.save_min_tokens,
-            keep_state_at=max(documents_end - keep, 0) if self.prefix_cache and linear else 0,
+            save_prefix=self.caching and len(full) - self.saved >= self.save_min_tokens,
+            keep_state_at=max(documents_end - keep, 0) if self.caching and linear else 0,
             shares=shares or (),
             top_logprobs=self.sampling.top_logprobs,
         )
