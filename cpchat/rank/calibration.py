@@ -175,7 +175,7 @@ def measure_prefill(model, info: ModelShape) -> tuple[PrefillCost, ForwardMemory
     The same two forwards' peak memory, less the K/V they stored, gives what a forward of T tokens
     allocates for its activations; a forward of one token a row, a decode step's cost."""
     layer = info.first_attention
-    layers = info.num_layers - len(info.linear)
+    layers = info.attention_layers  # of its stage
     visible, masked = (layers * c for c in attention_pair_s(layer.query_heads, layer.key_heads, layer.key_dim,
                                                             layer.value_dim, blas.cpu_allowance(),
                                                             blas.in_use().threads))
