@@ -260,7 +260,3 @@ def _drop(module: nn.Module) -> None:
 def _empty(a: mx.array) -> mx.array:
     return mx.zeros((0,), a.dtype)
 
-
-def held_bytes(model: nn.Module) -> int:
-    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
-
