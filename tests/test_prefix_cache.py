@@ -24,6 +24,7 @@ from references import low_precision_noise, reference_generate
 from cpchat.client.events import CacheLoaded, Token
 from cpchat.client.session import Session, common_prefix, load_tokenizer
 from cpchat.core.algorithms import PREFILL_ALGORITHMS
+from cpchat.core.stages import Stages
 from cpchat.dirs import prefix_dir
 from cpchat.rank import prefix_file
 from cpchat.rank.prefix_cache import CacheMiss, PrefixStore
@@ -221,6 +222,34 @@ def test_a_ring_of_another_size_reshards_from_the_saved_shards(clusters, model_d
     assert [e.resharded for e in events if isinstance(e, CacheLoaded)] == [True]
     assert_same(got, mlx_lm_generate(path, doc + second, MAX_TOKENS))
     assert sum(r.kv_tokens for r in done_event(events).ranks) == len(session.held)  # each token once
+
+
+@pytest.mark.parametrize("saved_by, loaded_by", [
+    ((2, 2), (2, 2)),
+    *(pytest.param(a, b, marks=pytest.mark.slow) for a, b in (((2, 2), (1, 2)), ((2, 2), (2, 1)),
+                                                                 ((1, 2), (2, 2)), ((1, 2), (2, 1))))])
+def test_a_prefix_saved_by_stages_loads_under_any_split(clusters, model_dir, saved_by, loaded_by,
+                                                        empty_cache):
+    """(stages, context ranks): a stage saves its layers' part of its shard; a rank of any split loads
+    its layers from the parts that hold them (re-sharding across ring sizes as without stages)."""
+    path = model_dir("llama")
+    doc, first, second = document_and_questions(path, seed=31 + 3 * saved_by[0] + loaded_by[0])
+    stages, ring = saved_by
+    ask(clusters.get(stages * ring, path, stages=Stages(stages)), path, doc + first)
+    names = [p.name for p in empty_cache.glob("*.kvp")]
+    assert len(names) == stages * ring and all(("-layers-" in n) == (stages > 1) for n in names)
+    stages, ring = loaded_by
+    cluster = clusters.get(stages * ring, path, stages=Stages(stages))
+    got, events, session = ask(cluster, path, doc + second)
+    prefill = prefill_event(events)
+    assert (prefill.cache, prefill.reused_tokens) == ("disk", len(doc))
+    assert [e.resharded for e in events if isinstance(e, CacheLoaded)] == [ring != saved_by[1]]
+    assert_same(got, mlx_lm_generate(path, doc + second, MAX_TOKENS))
+    history = doc + second + [t for t, _ in got]
+    more = random_prompt(path, 4, seed=5)
+    got, events = next_turn(session, more)
+    assert prefill_event(events).cache == "memory"
+    assert_same(got, mlx_lm_generate(path, history + more, MAX_TOKENS))
 
 
 @pytest.mark.slow

@@ -409,7 +409,9 @@ class Cluster:
         if gone:
             raise PrefixGone("; ".join(gone))
         replies = [f.result() for f in futures]
-        return PrefixLoaded(max(r.keep_floor for r in replies), tuple(replies[0].state_positions))
+        constrained = [set(r.state_positions) for r in replies if r.state_positions]  # stages: their own
+        positions = tuple(sorted(set.intersection(*constrained))) if constrained else ()
+        return PrefixLoaded(max(r.keep_floor for r in replies), positions)
 
     def cancel(self) -> None:
         """Ask every rank at once to abort the running request (a hung rank costs one deadline)."""

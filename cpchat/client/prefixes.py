@@ -41,11 +41,14 @@ class PrefixChoice:
         return self.num_ranks != ring_size
 
 
-def choose_prefix(found: list[list[SavedPrefix]], limit: int, held: int = 0) -> PrefixChoice | None:
+def choose_prefix(found: list[list[SavedPrefix]], limit: int, held: int = 0,
+                  ring_size: int = 0) -> PrefixChoice | None:
     """The longest cut, at most `limit` tokens and MIN_GAIN past `held`, that every rank can load:
-    `found[r]` is what rank r holds. A prefix saved by a ring of this size needs each rank's own
-    shard; one of another size needs every shard on every rank's disk (one host: they re-shard)."""
-    ring_size = len(found)
+    `found[r]` is what rank r holds (of its layers: a pipeline stage's). A prefix saved by a ring of
+    `ring_size` (default: every rank; with stages, a stage's) needs each rank's own shard, rank r's
+    being r % ring_size; one of another size needs every shard on every rank's disk (one host: they
+    re-shard)."""
+    ring_size = ring_size or len(found)
     shards: dict[tuple[str, int], list[dict[int, SavedPrefix]]] = {}
     for rank, saved in enumerate(found):
         for s in saved:
@@ -53,12 +56,13 @@ def choose_prefix(found: list[list[SavedPrefix]], limit: int, held: int = 0) -> 
     best: tuple[int, bool, PrefixChoice] | None = None
     for (prefix_id, num_ranks), by_rank in shards.items():
         same = num_ranks == ring_size
-        needed = [[rank] if same else range(num_ranks) for rank in range(ring_size)]
+        needed = [[rank % ring_size] if same else range(num_ranks) for rank in range(len(found))]
         if any(s not in have for have, need in zip(by_rank, needed, strict=True) for s in need):
             continue
         usable = [have[s] for have, need in zip(by_rank, needed, strict=True) for s in need]
         top, floor = min(min(s.common for s in usable), limit), max(s.floor for s in usable)
-        cuts = usable[0].state_positions or (top,)
+        constrained = [set(s.state_positions) for s in usable if s.state_positions]  # linear layers' cuts
+        cuts = sorted(set.intersection(*constrained)) if constrained else (top,)
         cut = max((c for c in cuts if floor <= c <= top), default=0)
         if cut >= held + MIN_GAIN and (best is None or (cut, same) > best[:2]):
             best = (cut, same, PrefixChoice(prefix_id, num_ranks, cut))

@@ -176,14 +176,14 @@ class Session:
         holding `keep` of them (0: none worth loading)."""
         if not self._may_load(tokens, keep):
             return 0
-        choice = choose_prefix(self.cluster.find_prefixes(tokens), limit, keep)
+        choice = choose_prefix(self.cluster.find_prefixes(tokens), limit, keep, self.cluster.ring_size)
         return choice.tokens if choice else 0
 
     def _may_load(self, tokens: list[int], keep: int) -> bool:
         """Whether a saved prefix could beat what the ring holds: not when the ring holds this very
         conversation (a later turn's), nor when too little is left to prefill."""
         continued = bool(self.held) and keep >= len(self.held) - MIN_GAIN
-        return self.caching and not continued and len(tokens) - 1 - keep >= MIN_GAIN
+        return self.prefix_cache and not continued and len(tokens) - 1 - keep >= MIN_GAIN
 
     def new_tokens(self, turn: Turn) -> int:
         """The prompt tokens the ranks do not hold yet: what its prefill computes."""
@@ -219,7 +219,7 @@ class Session:
         ring holds; the one loaded. A prefix gone meanwhile leaves the ring empty."""
         if not self._may_load(full, keep):
             return None
-        choice = choose_prefix(self.cluster.find_prefixes(full), len(full) - 1, keep)
+        choice = choose_prefix(self.cluster.find_prefixes(full), len(full) - 1, keep, self.cluster.ring_size)
         if choice is None:
             return None
         try:
@@ -231,11 +231,6 @@ class Session:
         self.held, self.saved = full[: choice.tokens], choice.tokens
         self.keep_floor, self.state_positions = loaded.keep_floor, list(loaded.state_positions)
         return choice
-
-    @property
-    def caching(self) -> bool:
-        """Whether turns use the prefix cache: asked for, and one stage (a cache per stage is to come)."""
-        return self.prefix_cache and self.cluster.stages == 1
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -331,8 +326,8 @@ class Session:
             algorithm=choice.algorithm, decode=self.planner.decode_exchange(len(full), answer_tokens),
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed,
             stop_tokens=[] if self.sampling.ignore_eos else sorted(self.tokenizer.eos_token_ids),
-            save_prefix=self.caching and len(full) - self.saved >= self.save_min_tokens,
-            keep_state_at=max(documents_end - keep, 0) if self.caching and linear else 0,
+            save_prefix=self.prefix_cache and len(full) - self.saved >= self.save_min_tokens,
+            keep_state_at=max(documents_end - keep, 0) if self.prefix_cache and linear else 0,
             shares=shares or (),
             top_logprobs=self.sampling.top_logprobs,
         )

@@ -151,7 +151,8 @@ class GenerationRun:
                 f.result()
             if watch.failure:
                 raise (BadInput if watch.refused else BackendError)(watch.failure)
-            yield GenerationDone(watch.results[0].done)
+            dones = [r.done for r in watch.results.values() if r.done]
+            yield GenerationDone(ring_done(watch.results[0].done, dones))
         finally:
             finished.set()
             if monitor is not None:
@@ -252,6 +253,15 @@ class GenerationRun:
             if alive:
                 with contextlib.suppress(grpc.RpcError):
                     call.result()
+
+
+def ring_done(first: RankDone, dones: list[RankDone]) -> RankDone:
+    """Rank 0's end of a request (`first`), with what every rank allows next (pipeline stages differ in
+    it: a stage's sliding windows and linear layers are its own): the highest keep floor, the cuts all
+    allow."""
+    constrained = [set(d.state_positions) for d in dones if d.state_positions]
+    positions = tuple(sorted(set.intersection(*constrained))) if constrained else ()
+    return replace(first, keep_floor=max(d.keep_floor for d in dones), state_positions=positions)
 
 
 def merged_stats(ranks: list[RankHandle], metadata, describe: Describe, interval_s: float,

@@ -90,6 +90,7 @@ class Engine:
         self.states = StateStore()
         self.total_tokens = 0
         self.prefix.forget(0)
+        self.prefix.run_layers(self.info.place.first, self.info.place.end, self.info.place.stages > 1)
         return self.info
 
     def reset(self, keep_tokens: int = 0) -> None:
@@ -352,11 +353,11 @@ class Engine:
         if cache is None:
             raise CacheMiss("this rank keeps no prefix cache (--no-cache)")
         same = num_ranks == ring.size
-        shards = [cache.load(prefix, s, num_ranks, self.info.identity)
-                  for s in ([ring.rank] if same else range(num_ranks))]
+        wanted = [ring.rank] if same else range(num_ranks)
+        shards = [part for s in wanted for part in self.prefix.load(prefix, s, num_ranks, self.info.identity)]
         for header, _ in shards:
             if not header["floor"] <= tokens <= header["tokens"] or (
-                    self.info.linear and tokens not in header["state_positions"]):
+                    header["state_positions"] and tokens not in header["state_positions"]):
                 raise CacheMiss(f"prefix {prefix} cannot be cut at {tokens} tokens")
 
         def mine(p: np.ndarray) -> np.ndarray:
@@ -366,10 +367,11 @@ class Engine:
 
         try:
             self.kv, self.states = restore(shards, tokens, self.info.num_layers, self.info.linear, mine,
-                                           self.info.kv_format)
-        except (KeyError, ValueError, IndexError) as e:  # whole files (their digests hold) that do not fit
-            for s in [ring.rank] if same else range(num_ranks):
-                cache.discard(cache.path(prefix, s, num_ranks))
+                                           self.info.kv_format, self.info.elsewhere)
+        except (KeyError, ValueError, IndexError, StopIteration) as e:  # whole files that do not fit
+            for s in wanted:
+                for part in cache.parts(prefix, s, num_ranks):
+                    cache.discard(cache.path(prefix, s, num_ranks, part))
             raise CacheMiss(f"removed prefix {prefix}: its arrays do not fit this model ({e})") from None
         self.total_tokens = tokens
         self.unread = None

@@ -113,8 +113,6 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION,
     check_kv_format(info)
     settings = {"device": str(mx.default_device()), "kv_bytes": first.dtype_bytes,
                 "kv_format": [kv_format.bits, kv_format.group_size, kv_format.start]}
-    if stage.stages > 1:  # a stage's saved K/V are of its layers only
-        settings["layers"] = [stage.first, stage.end]
     info.identity = model_identity(local, settings)
     info.files = model_identity(local, {"device": settings["device"]})
     return model, info

@@ -3,7 +3,9 @@
 A saved prefix is named by `prefix_id`: a hash of the model's identity, the token ids, the ring
 size and the layout (which global positions each rank held), and the file format. So a file can only
 be found by a ring that would compute the same keys and values, and every rank of one ring names
-its shard of one state alike: `<prefix_id>-<shard>-of-<num_ranks>.kvp`. The rank derives every
+its shard of one state alike: `<prefix_id>-<shard>-of-<num_ranks>.kvp`; a rank of a pipeline stage
+(cpchat/rank/stages.py) saves its layers' part of its shard, `...-of-<num_ranks>-layers-<first>-<end>.kvp`,
+and a rank of any split loads its layers from the parts that hold them. The rank derives every
 path itself; a client passes a prefix id, which must be 32 hex digits.
 
 Files that cannot be read are removed, never loaded (cpchat/rank/prefix_file.py checks them).
@@ -28,7 +30,8 @@ from cpchat.rank import prefix_file
 from cpchat.rank.prefix_file import CorruptFile
 
 SUFFIX = ".kvp"
-_NAME = re.compile(r"^([0-9a-f]{32})-(\d+)-of-(\d+)\.kvp$")
+_NAME = re.compile(r"^([0-9a-f]{32})-(\d+)-of-(\d+)(?:-layers-(\d+)-(\d+))?\.kvp$")
+Layers = tuple[int, int] | None  # a file's layers [first, end); None: every layer
 FIELDS = ("prefix_id", "model_key", "model", "num_ranks", "shard", "tokens", "segments", "floor",
           "state_positions", "dtypes", "quantized")  # every header has them (cpchat/rank/engine.py writes)
 
@@ -80,6 +83,7 @@ class Found:
     common: int  # of them, how many begin the request's tokens
     floor: int  # the shortest cut this shard can be loaded at (sliding-window layers forgot keys)
     state_positions: tuple[int, ...]  # where linear layers' states were saved; empty: any cut
+    layers: Layers = None  # the layers the file holds (a pipeline stage's)
 
 
 @dataclass(frozen=True)
@@ -101,10 +105,20 @@ class PrefixStore:
         self.root, self.max_bytes = root, max_bytes
         self._headers: dict[Path, tuple[tuple[int, int], dict]] = {}  # by (mtime_ns, size)
 
-    def path(self, prefix: str, shard: int, num_ranks: int) -> Path:
+    def path(self, prefix: str, shard: int, num_ranks: int, layers: Layers = None) -> Path:
         if not re.fullmatch(r"[0-9a-f]{32}", prefix):
             raise CacheMiss(f"{prefix!r} is not a prefix id")
-        return self.root / f"{prefix}-{shard}-of-{num_ranks}{SUFFIX}"
+        part = f"-layers-{layers[0]}-{layers[1]}" if layers else ""
+        return self.root / f"{prefix}-{shard}-of-{num_ranks}{part}{SUFFIX}"
+
+    def parts(self, prefix: str, shard: int, num_ranks: int) -> list[Layers]:
+        """The layer ranges of the files of one shard here: [None] for one file of every layer."""
+        if not self.root.is_dir():
+            return []
+        name = self.path(prefix, shard, num_ranks).name.removesuffix(SUFFIX)
+        found = [_NAME.match(p.name) for p in self.root.glob(f"{name}*{SUFFIX}")]
+        return [(int(m[4]), int(m[5])) if m[4] else None for m in found
+                if m and (int(m[2]), int(m[3])) == (shard, num_ranks)]
 
     def entries(self, model_key: str | None = None) -> list[Entry]:
         """Every readable file here (of one model); unreadable ones are removed."""
@@ -139,22 +153,22 @@ class PrefixStore:
             common = int(differ[0]) if len(differ) else m
             if common:
                 found.append(Found(h["prefix_id"], h["num_ranks"], h["shard"], len(saved), common,
-                                   h["floor"], tuple(h["state_positions"])))
+                                   h["floor"], tuple(h["state_positions"]), layers_of(h)))
         return found
 
     def save(self, header: dict, arrays: dict[str, np.ndarray], replaces: Entry | None = None) -> Path:
         """Write one shard, drop the file it supersedes (`replaces`), then evict to the bound."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path = self.path(header["prefix_id"], header["shard"], header["num_ranks"])
+        path = self.path(header["prefix_id"], header["shard"], header["num_ranks"], layers_of(header))
         prefix_file.write(path, header, arrays)
         if replaces is not None and replaces.path != path:
             replaces.path.unlink(missing_ok=True)
         self.evict(header["shard"], keep=path)
         return path
 
-    def load(self, prefix: str, shard: int, num_ranks: int,
-             model_key: str) -> tuple[dict, dict[str, np.ndarray]]:
-        path = self.path(prefix, shard, num_ranks)
+    def load(self, prefix: str, shard: int, num_ranks: int, model_key: str,
+             layers: Layers = None) -> tuple[dict, dict[str, np.ndarray]]:
+        path = self.path(prefix, shard, num_ranks, layers)
         try:
             header, arrays = prefix_file.read(path)
         except FileNotFoundError:
@@ -217,8 +231,14 @@ class PrefixStore:
             if missing:
                 raise CorruptFile(f"{path.name}: the header lacks {', '.join(missing)}")
             match = _NAME.match(path.name)
-            if (header["prefix_id"], header["shard"], header["num_ranks"]) != (
-                    match[1], int(match[2]), int(match[3])):
+            named = (int(match[4]), int(match[5])) if match[4] else None
+            if (header["prefix_id"], header["shard"], header["num_ranks"], layers_of(header)) != (
+                    match[1], int(match[2]), int(match[3]), named):
                 raise CorruptFile(f"{path.name}: the header names another shard")
             cached = self._headers[path] = (key, header)
         return cached[1]
+
+
+def layers_of(header: dict) -> Layers:
+    layers = header.get("layers")
+    return (int(layers[0]), int(layers[1])) if layers else None

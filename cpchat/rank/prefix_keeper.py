@@ -11,7 +11,16 @@ import numpy as np
 
 from cpchat.core.sharding import Shares
 from cpchat.rank.kvstore import KVShard
-from cpchat.rank.prefix_cache import Entry, Found, Layout, PrefixStore, prefix_id
+from cpchat.rank.prefix_cache import (
+    CacheMiss,
+    Entry,
+    Found,
+    Layers,
+    Layout,
+    PrefixStore,
+    layers_of,
+    prefix_id,
+)
 from cpchat.rank.prefix_shard import capture
 from cpchat.rank.statestore import StateStore
 from cpchat.rank.transport.ring import Ring
@@ -22,12 +31,38 @@ def _covers(new: dict, old: dict) -> bool:
     return new["floor"] <= old["floor"] and set(old["state_positions"]) <= set(new["state_positions"])
 
 
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def _covered(ranges: list[tuple[int, int]], span: tuple[int, int]) -> bool:
+    """Whether the layer ranges together hold every layer of `span`."""
+    reached = span[0]
+    for first, end in sorted(ranges):
+        if first <= reached < end:
+            reached = end
+    return reached >= span[1]
+
+
+def _joined(parts: list[Found]) -> Found:
+    """One shard saved in several files (stages): what all of them allow."""
+    if len(parts) == 1:
+        return parts[0]
+    cuts = [set(p.state_positions) for p in parts if p.state_positions]
+    positions = tuple(sorted(set.intersection(*cuts))) if cuts else ()
+    first = parts[0]
+    return Found(first.prefix_id, first.num_ranks, first.shard, min(p.tokens for p in parts),
+                 min(p.common for p in parts), max(p.floor for p in parts), positions)
+
+
 class PrefixKeeper:
     """The ring's tokens and prefills as the prefix cache names them; `origin` is the saved prefix the
     ring's state continues, which the next save supersedes. `cache` is None under --no-cache."""
 
     def __init__(self) -> None:
         self.cache: PrefixStore | None = None
+        self.span = (0, 0)  # the layers [first, end) this rank runs
+        self.layers: Layers = None  # the same where they are a pipeline stage's (its files name them)
         self.tokens = np.zeros(0, np.uint32)
         self.segments: list[tuple[int, ...]] = []  # (start, length[, shares...]) of each prefill
         self.origin: Entry | None = None
@@ -55,8 +90,10 @@ class PrefixKeeper:
         header |= {"prefix_id": prefix_id(identity, layout, self.tokens), "model_key": identity,
                    "model": model_name, "num_ranks": ring.size, "shard": ring.rank,
                    "tokens": len(self.tokens), "segments": layout.segments, "saved": time.time()}
+        if self.layers:
+            header["layers"] = list(self.layers)
         origin = self.origin if self.origin is not None and _covers(header, self.origin.header) else None
-        self.origin = Entry(self.cache.path(header["prefix_id"], ring.rank, ring.size), header)
+        self.origin = Entry(self.cache.path(header["prefix_id"], ring.rank, ring.size, self.layers), header)
         self._saves = [f for f in self._saves if not f.done()]
         self._saves.append(self._writer.submit(self._write, header, arrays, origin))
 
@@ -72,12 +109,32 @@ class PrefixKeeper:
         for f in list(self._saves):
             f.result()
 
+    def run_layers(self, first: int, end: int, stage: bool) -> None:
+        """This rank runs layers [first, end), as a pipeline `stage` or the whole model."""
+        self.span, self.layers = (first, end), (first, end) if stage else None
+
     def find(self, identity: str, tokens: list[int]) -> list[Found]:
-        """The saved prefixes that begin like `tokens`, saves under way included."""
+        """The saved shards that begin like `tokens` (saves under way included) whose files hold every
+        layer this rank runs: one Found a shard, however many files (pipeline stages) it was saved in."""
         if self.cache is None:
             return []
         self.flush()
-        return self.cache.find(identity, np.array(tokens, np.uint32))
+        span = self.span
+        shards: dict[tuple[str, int, int], list[Found]] = {}
+        for f in self.cache.find(identity, np.array(tokens, np.uint32)):
+            if _overlap(f.layers or span, span):
+                shards.setdefault((f.prefix_id, f.num_ranks, f.shard), []).append(f)
+        return [_joined(parts) for parts in shards.values()
+                if _covered([p.layers or span for p in parts], span)]
+
+    def load(self, prefix: str, shard: int, num_ranks: int, identity: str) -> list[tuple[dict, dict]]:
+        """The files of one saved shard that hold the layers this rank runs."""
+        span = self.span
+        parts = [p for p in self.cache.parts(prefix, shard, num_ranks) if _overlap(p or span, span)]
+        if not _covered([p or span for p in parts], span):
+            raise CacheMiss(f"prefix {prefix} shard {shard} of {num_ranks}: no files hold layers "
+                            f"{span[0]}-{span[1] - 1} in {self.cache.root}")
+        return [self.cache.load(prefix, shard, num_ranks, identity, p) for p in parts]
 
     def loaded(self, prefix: str, shards: list[tuple[dict, dict]], tokens: int, ring: Ring) -> None:
         """The ring now holds saved prefix `prefix` (its `shards`, loaded), cut to `tokens`."""
@@ -85,5 +142,6 @@ class PrefixKeeper:
         same = header["num_ranks"] == ring.size
         self.tokens = arrays["tokens"][:tokens].copy()
         self.segments = [tuple(s) for s in header["segments"] if s[0] < tokens] if same else [(0, tokens)]
-        own = Entry(self.cache.path(prefix, ring.rank, header["num_ranks"]), header)
+        same = same and len(shards) == 1 and layers_of(header) == self.layers
+        own = Entry(self.cache.path(prefix, ring.rank, header["num_ranks"], self.layers), header)
         self.origin = own if same and header["tokens"] == tokens else None

@@ -61,18 +61,22 @@ def capture(kv: KVShard, states: StateStore, tokens: np.ndarray, windows: Sequen
 
 
 def restore(shards: Sequence[tuple[dict, dict[str, np.ndarray]]], tokens: int, num_layers: int,
-            linear: frozenset[int], mine: Callable[[np.ndarray], np.ndarray], kv_format: KVFormat
-            ) -> tuple[KVShard, StateStore]:
+            linear: frozenset[int], mine: Callable[[np.ndarray], np.ndarray], kv_format: KVFormat,
+            elsewhere: frozenset[int] = frozenset()) -> tuple[KVShard, StateStore]:
     """The KV shard and states of a saved prefix cut to `tokens`, keeping the positions `mine` selects
-    from each saved shard (all of one's own; a ring of another size: a prefill's share)."""
-    kv = KVShard(num_layers, linear, kv_format)
+    from each saved shard (all of one's own; a ring of another size: a prefill's share), of the layers
+    this rank runs (not `elsewhere`). A shard saved by pipeline stages comes as several files, each
+    with its stage's layers."""
+    kv = KVShard(num_layers, linear, kv_format, elsewhere)
     quantized = bool(shards[0][0]["quantized"])
     layers = {}
     for i in range(num_layers):
-        if i in linear:
+        if i in linear or i in elsewhere:
             continue
         parts = []
         for header, arrays in shards:
+            if f"layer{i}.positions" not in arrays:  # another stage's file
+                continue
             p = arrays[f"layer{i}.positions"]
             keep = (p < tokens) & mine(p)
             if keep.all():  # no copy but the one into MLX
@@ -91,15 +95,15 @@ def restore(shards: Sequence[tuple[dict, dict[str, np.ndarray]]], tokens: int, n
             layers[i] = (take(concatenate([k for _, k, _ in parts], axis=2), index, axis=2),
                          take(concatenate([v for _, _, v in parts], axis=2), index, axis=2), positions[order])
     owned = np.concatenate([p[(p < tokens) & mine(p)] for p in (a["positions"] for _, a in shards)])
-    kv.fill(np.sort(owned), layers, quantized)
+    kv.fill(np.unique(owned), layers, quantized)  # a shard's files (stages) hold the same positions
     store = StateStore()
     if linear:
-        header, arrays = shards[0]
         at = f"state{tokens}.layer"
+        held = {i: next((h, a) for h, a in shards if f"{at}{i}.state" in a) for i in linear}
         layers_at = {i: LayerState(_array(header, f"{at}{i}.state", arrays[f"{at}{i}.state"]),
                                    _array(header, f"{at}{i}.halo", arrays[f"{at}{i}.halo"]),
                                    arrays[f"{at}{i}.halo_real"].copy())
-                     for i in sorted(linear)}
+                     for i, (header, arrays) in sorted(held.items())}
         store.layers = dict(layers_at)
         store.snapshots[tokens] = dict(layers_at)
     return kv, store
