@@ -22,6 +22,7 @@ from cpchat.client.settings import Settings
 from cpchat.core.heuristics import Workload
 from cpchat.core.memory import ForwardMemory, kv_bytes_per_token, prefill_needs, tokens_per_rank
 from cpchat.core.quantized_kv import KVFormat
+from cpchat.rank.memory import host_available, memory_groups
 from cpchat.tui.app import CpchatApp
 from cpchat.tui.screens import MemoryBudget
 from cpchat.tui.widgets import ChatInput
@@ -119,6 +120,25 @@ def test_more_stages_are_suggested_where_the_weights_they_free_would_hold_it():
     assert "--stages 2 would hold it" in str(refused)
     refused = shortfall(WORKLOAD, "pass_kv", FORWARD, [free] * 2, 16, labels, StageSplit(1, 2, weights // 4))
     assert refused is not None and "--stages" not in str(refused)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_limit_of_this_processes_own_cgroup_and_those_above_it_counts(tmp_path, version):
+    """/proc/self/cgroup names the group: its limit, or a parent's, bounds what a rank may hold, not
+    only the root group's files (a container's or a systemd slice's limit sits below the root)."""
+    proc, root = tmp_path / "cgroup", tmp_path / "sys"
+    top, limit, usage = (root, "memory.max", "memory.current") if version == 2 else \
+        (root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes")
+    proc.write_text("0::/slice/job\n" if version == 2 else "4:memory:/slice/job\n1:cpu:/\n")
+    for group, bound, used in (("", "max", 9_000_000), ("slice", "5000000", 1_000_000),
+                               ("slice/job", "max", 0)):
+        (top / group).mkdir(parents=True, exist_ok=True)
+        (top / group / limit).write_text(bound if version == 2 or bound != "max" else str(1 << 63))
+        (top / group / usage).write_text(str(used))
+    groups = memory_groups(proc, root)
+    assert (top / "slice" / limit, top / "slice" / usage) in groups
+    assert host_available(groups) == 4_000_000  # the slice's limit less what it holds
+    assert host_available(memory_groups(tmp_path / "absent", root)) > 4_000_000  # the root group's only
 
 
 @pytest.fixture(scope="module")

@@ -45,19 +45,49 @@ def free_bytes(limit: int | None = None) -> int:
     return free + cached
 
 
-def host_available() -> int:
-    """The host's available memory (Linux: MemAvailable), within this process's cgroup limit."""
+def host_available(groups: list[tuple[Path, Path]] | None = None) -> int:
+    """The host's available memory (Linux: MemAvailable), within the limits of this process's memory
+    cgroup and of every group above it (`groups`: memory_groups())."""
     available = psutil.virtual_memory().available
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in memory_groups() if groups is None else groups:
         limit, usage = _read_int(limit_file), _read_int(usage_file)
         if limit is not None and usage is not None and limit < NO_LIMIT:
             available = min(available, max(limit - usage, 0))
     return available
 
 
-def _read_int(path: str) -> int | None:
+def memory_groups(cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+                  ) -> list[tuple[Path, Path]]:
+    """The (limit, usage) files of the root memory cgroup, and of this process's group and each group
+    above it as `cgroup` (/proc/self/cgroup) names them: cgroup v2's memory.max and memory.current,
+    v1's memory.limit_in_bytes and memory.usage_in_bytes."""
+    v2, v1 = (root, "memory.max", "memory.current"), (root / "memory", "memory.limit_in_bytes",
+                                                        "memory.usage_in_bytes")
+    groups = [(*v2, "/"), (*v1, "/")]
+    try:
+        lines = cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        if controllers == "":
+            groups.append((*v2, group))
+        elif "memory" in controllers.split(","):
+            groups.append((*v1, group))
+    pairs: list[tuple[Path, Path]] = []
+    for top, limit, usage, group in groups:
+        path = top / group.lstrip("/")
+        for directory in (path, *path.parents):
+            if directory != top and top not in directory.parents:
+                break
+            if (directory / limit, directory / usage) not in pairs:
+                pairs.append((directory / limit, directory / usage))
+            if directory == top:
+                break
+    return pairs
+
+
+def _read_int(path: Path) -> int | None:
     try:
         return int(Path(path).read_text().strip())
     except (OSError, ValueError):  # absent, or "max"
