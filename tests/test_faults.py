@@ -20,7 +20,8 @@ from rankprocs import CPCHAT, RankProc, start_ranks, stop_all, write_token
 from references import reference_generate, reference_tokenizer
 
 from cpchat.client.cluster import Cluster
-from cpchat.client.generation import GenerationRequest, LayerDone
+from cpchat.client.generation import GenerationRequest, LayerDone, TokenOut
+from cpchat.core.stages import Stages
 from cpchat.errors import BackendError
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.smallmodels import write_model
@@ -105,6 +106,31 @@ def test_sigkill_mid_prefill_names_the_rank_and_layer(ring3, deep_model):
     assert f"rank 2 ({victim.address}) stopped answering during prefill, layer " in str(err.value)
     assert gone(victim)
     answers_exactly([r.address for r in ranks[:2]], deep_model, seed=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_a_pipeline_stage_killed_is_named_within_5_s(ring3, deep_model, phase):
+    """Three ranks as three stages: the middle one killed while the prompt flows through the stages,
+    or while tokens do; the other stages drop the request."""
+    ranks, cluster, _ = ring3
+    cluster.load(str(deep_model), stages=Stages(3))
+    decodes_for_a_while(deep_model)
+    victim = ranks[1]
+    ids = random_prompt(deep_model, 1500, seed=5) if phase == "prefill" else \
+        reference_tokenizer(deep_model).encode(PROMPT, add_special_tokens=False)
+    fault = None
+    with pytest.raises(BackendError) as err:
+        for event in cluster.generate(GenerationRequest(ids, max_tokens=300, algorithm="pass_kv")):
+            if isinstance(event, LayerDone if phase == "prefill" else TokenOut) and fault is None:
+                os.kill(victim.pid, signal.SIGKILL)
+                fault = time.monotonic()
+    detected = time.monotonic() - fault
+    print(f"\nSIGKILL of a stage mid-{phase} detected in {detected:.2f} s: {err.value}")
+    assert detected < DETECT_S
+    assert f"rank 1 ({victim.address}) stopped answering during {phase}" in str(err.value)
+    assert gone(victim)
+    wait_idle([ranks[0].address, ranks[2].address])  # the other stages dropped the request
 
 
 @pytest.mark.slow

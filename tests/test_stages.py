@@ -4,6 +4,10 @@ answer is mlx-lm's own single-process generation (tokens, and logprobs within 1e
 checkpoint within 1.5x of mlx-lm's own noise), for P x C in 2x1, 3x1, 4x1 and 2x2, every prefill
 algorithm and decode step, prompts of 1 token and of lengths 2C does not divide."""
 
+import json
+import re
+import struct
+
 import pytest
 from helpers import (
     ALGORITHMS,
@@ -20,9 +24,13 @@ from helpers import (
 )
 from references import MlxReference, low_precision_noise, reference_generate
 
+from cpchat.client.cluster import Cluster
+from cpchat.client.connect import ClusterOptions
 from cpchat.client.events import Progress
+from cpchat.client.frontend import Frontend
 from cpchat.client.plan import make_plan
 from cpchat.client.planner import Planner
+from cpchat.client.settings import Settings
 from cpchat.core.quantized_kv import KVFormat
 from cpchat.core.stages import ONE_STAGE, Stages, parse_stages, pipeline_cuts, pipeline_seconds
 from cpchat.errors import BadInput
@@ -105,6 +113,27 @@ def test_each_rank_holds_only_its_stages_weights(clusters, deep_model):
     assert held[0] + held[3] - 2 * layer < whole - 4 * layer + 1024  # embedding + head + norm, no more
     cluster = clusters.get(2, path, stages=parse_stages("1,3"))
     assert [r.layers for r in cluster.ranks] == [(0, 1), (1, 4)]
+    layers, embedding, rest = file_bytes(path)  # from the files' own headers
+    expected = [sum(layers[:1]) + embedding, sum(layers[1:]) + rest]
+    for r, share in zip(cluster.ranks, expected, strict=True):
+        assert abs(r.weight_bytes - share) <= 0.1 * share, (r.weight_bytes, share)
+
+
+def file_bytes(path) -> tuple[list[int], int, int]:
+    """Bytes of each layer's tensors, the embedding's and the rest's, from the safetensors headers."""
+    header = {}
+    for f in path.glob("*.safetensors"):
+        with f.open("rb") as stream:
+            header |= json.loads(stream.read(struct.unpack("<Q", stream.read(8))[0]))
+    sizes = {name: t["data_offsets"][1] - t["data_offsets"][0] for name, t in header.items()
+             if name != "__metadata__"}
+    layers: dict[int, int] = {}
+    for name, size in sizes.items():
+        if match := re.match(r"model\.layers\.(\d+)\.", name):
+            layers[int(match[1])] = layers.get(int(match[1]), 0) + size
+    embedding = sum(size for name, size in sizes.items() if "embed_tokens" in name)
+    rest = sum(sizes.values()) - sum(layers.values()) - embedding
+    return [layers[i] for i in sorted(layers)], embedding, rest
 
 
 def test_a_plan_counts_each_stages_layers_and_weights(clusters, deep_model):
@@ -212,6 +241,46 @@ def test_headless_stages_and_what_they_say(tmp_path):
     for stages, says in (("4", "--stages 4 does not divide 2 ranks"),
                          ("2,2", "layer counts 2,2 do not split the model's 6 layers into 2 stages")):
         one_line_error(run(["--headless", "--ranks", "2", "--stages", stages, "--prompt", "hi"]), 2, says)
+
+
+@pytest.mark.slow
+def test_a_model_no_rank_holds_is_refused_before_it_is_read_and_auto_splits_it(tmp_path, monkeypatch):
+    """Ranks limited to 0.8x a 1024-wide llama's weights: one stage is refused before a weight is read
+    (MLX allocated nothing), with the stages that would hold it; --stages auto splits it in two,
+    and the answer is mlx-lm's."""
+    path = write_model(tmp_path / "wide", "llama", num_layers=6, hidden_size=1024, num_heads=16)
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    monkeypatch.setenv("CPCHAT_MEMORY_LIMIT", str(4 * weights))
+    cluster = Cluster.launch(2)
+    try:
+        cluster.connect()
+        held = 4 * weights - min(cluster.free_memory())  # what an idle rank holds
+    finally:
+        cluster.close()
+    monkeypatch.setenv("CPCHAT_MEMORY_LIMIT", str(held + int(0.8 * weights)))
+    cluster = Cluster.launch(2)
+    try:
+        cluster.connect()
+        with pytest.raises(BadInput, match="--stages 2 would hold them"):
+            cluster.load(str(path))
+        assert all(s.mlx_peak_bytes < 0.05 * weights for s in cluster.stats_once())  # nothing read
+    finally:
+        cluster.close()
+    refused = run(["--headless", "--model", str(path), "--ranks", "2", "--prompt", "hi"])
+    one_line_error(refused, 2, "--stages 2 would hold them")
+    assert re.search(r"the weights of llama take [\d.]+ MiB but this rank may hold [\d.]+ MiB",
+                     refused.stderr)
+
+    front = Frontend(Settings(model=str(path), ranks=2, stages="auto"), ClusterOptions())
+    try:
+        front.start(lambda phase, done, total: None)
+        cluster = front.cluster
+        assert cluster.stages == 2 and all(r.weight_bytes < 0.6 * weights for r in cluster.ranks)
+        ids = random_prompt(path, 9, seed=4)
+        got, _, _ = run_raw(cluster, path, ids, "auto", MAX_TOKENS)
+        assert_same(got, reference_generate(path, ids, MAX_TOKENS))
+    finally:
+        front.close(generating=False)
 
 
 def test_a_prompt_is_cut_into_chunks_for_the_stages():

@@ -75,14 +75,14 @@ class Engine:
         """Load a model (the layers `place` gives this rank); on the CPU, with float32 copies of its
         low-precision weights where they take at most 1/COPY_SHARE of the `free_bytes` the rank may
         use (cpchat.rank.cpu_products)."""
-        self.model, self.info = load_model(path, kv_format, place)
+        self.model, self.info = load_model(path, kv_format, place, free_bytes)
         self.model_name = path
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         if mx.default_device() == mx.cpu:
             self.weight_bytes += keep_float32_weights(self.model, free_bytes // COPY_SHARE)
         # Measured once a model per process, for the CPU time and the BLAS threads the rank has then.
-        key = (self.info.files, self.info.place, self.weight_bytes, blas.cpu_allowance(),
-               blas.in_use().threads)
+        key = (self.info.files, self.info.place.first, self.info.place.end, self.weight_bytes,
+               blas.cpu_allowance(), blas.in_use().threads)
         if key not in self._measured:
             self._measured[key] = measure_prefill(self.model, self.info)
         self.prefill_cost, self.forward_memory = self._measured[key]

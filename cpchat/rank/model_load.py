@@ -63,10 +63,11 @@ class ModelShape:
 
 
 def load_model(name: str, kv_format: KVFormat = FULL_PRECISION,
-               place: Callable[[int], StagePlace] | None = None):
+               place: Callable[[int], StagePlace] | None = None, free_bytes: int = 0):
     """Load with mlx-lm (a directory, a hub id `ORG/NAME[@revision]` or a checkpoint to convert, each
     resolved on this machine) the layers `place` gives this rank of the model's, reading no other
-    weights; install ring attention, and find out what each layer's attention needs."""
+    weights, and only if they fit the `free_bytes` it may hold (0: unchecked); install ring attention,
+    and find out what each layer's attention needs."""
     from mlx_lm.utils import _download
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
@@ -81,6 +82,9 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION,
             raise UnsupportedModel(str(e)) from None
         raise
     stage = (place or stages.one_stage)(len(model.layers))
+    if free_bytes:
+        stages.check_weights_fit(stages.weight_parts(model), stage, free_bytes,
+                                 config.get("model_type", fit.model_name(model)))
     stages.keep_stage(model, stage)
     mx.eval(model.parameters())
     context_parallel.install()

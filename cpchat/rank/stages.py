@@ -20,6 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from cpchat.core.stages import WEIGHT_SHARE
+from cpchat.format import human_bytes
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.fit import UnsupportedModel, mix_in, model_name
 from cpchat.rank.transport.ring import Ring
@@ -205,21 +207,77 @@ class NoEmbedding:
         return mx.zeros((*x.shape, self.width), mx.float32)
 
 
+@dataclass(frozen=True)
+class WeightParts:
+    """The bytes of a model's weights, from its lazily loaded arrays' shapes (nothing read)."""
+
+    layers: list[int]
+    embedding: int
+    rest: int  # outside the layers and the embedding: the final norm, the head
+    tied: bool  # the head is the embedding
+
+    def of(self, place: StagePlace) -> int:
+        """What a rank of this place holds: its layers, the embedding on the first stage (and on the
+        last where the head is the embedding), the rest on the last."""
+        embedding = place.first_stage or (place.last_stage and self.tied)
+        layers = sum(self.layers[place.first:place.end])
+        return layers + self.embedding * embedding + self.rest * place.last_stage
+
+
+def _outside_layers(model: nn.Module) -> tuple[set[int], list[nn.Module], bool]:
+    """The ids of the modules inside the layers, the embeddings outside them, and whether the output
+    head is the embedding (no linear layer outside the layers)."""
+    in_layers = {id(m) for layer in model.layers for _, m in layer.named_modules()}
+    embeddings = [m for _, m in model.named_modules() if isinstance(m, EMBEDDINGS) and id(m) not in in_layers]
+    tied = not any(isinstance(m, (nn.Linear, nn.QuantizedLinear)) and id(m) not in in_layers
+                   for _, m in model.named_modules())
+    return in_layers, embeddings, tied
+
+
+def weight_parts(model: nn.Module) -> WeightParts:
+    _, embeddings, tied = _outside_layers(model)
+    layers = [_nbytes(layer) for layer in model.layers]
+    embedding = sum(_nbytes(e) for e in embeddings)
+    return WeightParts(layers, embedding, _nbytes(model) - sum(layers) - embedding, tied)
+
+
+def fewest_holding(parts: WeightParts, free: int, ranks: int) -> int | None:
+    """The fewest stages of `ranks` ranks in which every rank's weights take at most WEIGHT_SHARE of
+    `free` (None: no split does)."""
+    for stages in (p for p in range(1, ranks + 1) if ranks % p == 0 and p <= len(parts.layers)):
+        places = [place_of(r, ranks, len(parts.layers), stages) for r in range(0, ranks, ranks // stages)]
+        if max(parts.of(p) for p in places) <= WEIGHT_SHARE * free:
+            return stages
+    return None
+
+
+def check_weights_fit(parts: WeightParts, place: StagePlace, free: int, name: str) -> None:
+    """Refuse, before any weight is read, a stage whose weights exceed what this rank may hold."""
+    held = parts.of(place)
+    if held <= free:
+        return
+    which = f"layers {place.first}-{place.end - 1} of " if place.stages > 1 else ""
+    ranks = place.stages * place.ring_size
+    fits = fewest_holding(parts, free, ranks) if ranks else None
+    hint = f"--stages {fits} would hold them" if fits else f"no split of {ranks} ranks like it holds them"
+    raise StagesRefused(f"the weights of {which}{name} take {human_bytes(held)} but this rank may hold "
+                        f"{human_bytes(free)}: {hint}")
+
+
+def _nbytes(module: nn.Module) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(module.parameters()))
+
+
 def keep_stage(model: nn.Module, place: StagePlace) -> None:
     """Make `model` (loaded lazily, nothing evaluated) run only its stage; the weights it does not run
-    are dropped before anything is read, so only the stage's ever reach memory: its layers, the
-    embedding on the first stage (and on the last where the head is the embedding), everything else
-    outside the layers (final norm, head) on the last."""
+    are dropped before anything is read, so only the stage's ever reach memory (WeightParts.of)."""
     if place.stages == 1:
         return
     layers = model.layers
     if len({id(layer) for layer in layers}) != len(layers):
         raise StagesRefused(f"{model_name(model)}: its layers share weights (one layer runs at several "
                             "depths), so they cannot be split into stages")
-    in_layers = {id(m) for layer in layers for _, m in layer.named_modules()}
-    embeddings = [m for _, m in model.named_modules() if isinstance(m, EMBEDDINGS) and id(m) not in in_layers]
-    tied = not any(isinstance(m, (nn.Linear, nn.QuantizedLinear)) and id(m) not in in_layers
-                   for _, m in model.named_modules())
+    in_layers, embeddings, tied = _outside_layers(model)
     ran = {id(a) for i in range(place.first, place.end) for _, a in tree_flatten(layers[i].parameters())}
     for i, layer in enumerate(layers):
         if not place.runs(i):

@@ -202,8 +202,9 @@ class RankState:
 
     def stage_place(self, stages: int, counts: tuple[int, ...]) -> Callable[[int], StagePlace] | None:
         """Where this rank sits among `stages` pipeline stages of the ring (a function of the model's
-        layer count); None for one stage."""
-        if stages <= 1 and not counts:
+        layer count); None for one stage before the rank is part of a ring."""
+        stages = max(stages, 1)
+        if self.ring is None and stages == 1 and not counts:
             return None
         if self.ring is None:
             raise NotNow("this rank is not part of a ring yet (Configure first)")
