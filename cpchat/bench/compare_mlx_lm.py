@@ -59,6 +59,8 @@ class SystemRow:
     exchange_wait_ms: float | None = None  # a decode step's wait for the other ranks, per attention layer
     exchange_overhead_ms: float | None = None  # of it, what the exchange itself costs (exchange_wait_ms)
     decode_step: str = ""  # how the ranks ran the decode steps: exchange, ring, lead or gather
+    weight_bytes_per_rank: int = 0  # the most any rank holds, as it reports (stages: its layers')
+    bubble_share: float | None = None  # pipeline stages: of the prefill, the longest wait for a stage
 
     def best(self, name: str) -> float:
         values = getattr(self, name)
@@ -242,12 +244,15 @@ def _run_once(c: Contestant, row: SystemRow, tokenizer, ids: list[int], args) ->
             row.algorithm = event.algorithm
             if event.linear_layers:
                 row.combine_share = event.state_combine_ms / event.ms
+            if event.stage_wait_ms:
+                row.bubble_share = max(event.stage_wait_ms) / event.ms
         elif isinstance(event, Done):
             row.ttft_ms.append(event.ttft_ms)
             row.decode_tokens_per_s.append(event.decode_tokens_per_s)
             row.kv_bytes_per_rank = max(r.kv_bytes for r in event.ranks)
     stats = cluster.stats_once()
     row.peak_bytes_per_rank = max(row.peak_bytes_per_rank, max(s.peak_rss_bytes for s in stats))
+    row.weight_bytes_per_rank = max(r.weight_bytes for r in cluster.ranks)
     if c.n > 1 and args.decode > 1:  # the last pass is the last token's decode step
         row.exchange_wait_ms, row.exchange_overhead_ms = exchange_wait_ms(stats, cluster.model)
         row.decode_step = stats[0].algorithm.removeprefix("decode_")
@@ -344,10 +349,11 @@ def write_results(out: Path, rows: list[SystemRow], transport: list[dict], args,
         lines += [
             "",
             "| system | BLAS | threads | context | TTFT ms | prefill tok/s | vs mlx-lm | decode tok/s "
-            "| vs mlx-lm | KV MiB/rank | vs kv none | ring MiB | peak MiB/rank | hidden comm | state combine "
-            "| of sgemm rate | decode step: wait ms/layer (exchange overhead) "
-            "| prefill estimate | peak estimate | decode estimate |",
-            "|---|---|" + "---:|" * 18,
+            "| vs mlx-lm | KV MiB/rank | vs kv none | ring MiB | peak MiB/rank | weights MiB/rank "
+            "| stage wait | hidden comm | state combine | of sgemm rate "
+            "| decode step: wait ms/layer (exchange overhead) | prefill estimate | peak estimate "
+            "| decode estimate |",
+            "|---|---|" + "---:|" * 20,
         ]
     for r in rows:
         b = base.get((r.context, r.blas, r.kv_bits))
@@ -358,6 +364,8 @@ def write_results(out: Path, rows: list[SystemRow], transport: list[dict], args,
         dec_ratio = f"{r.best('decode_tokens_per_s') / b.best('decode_tokens_per_s'):.2f}×" if b else ""
         hidden = f"{100 * r.hidden_share:.0f}%" if r.hidden_share is not None else ""
         combine = f"{100 * r.combine_share:.1f}%" if r.combine_share is not None else ""
+        bubble = f"{100 * r.bubble_share:.0f}%" if r.bubble_share is not None else ""
+        weights = f"{r.weight_bytes_per_rank / MB:.0f}" if r.weight_bytes_per_rank else ""
         sgemm = f"{100 * r.sgemm_share:.0f}%" if r.sgemm_share is not None else ""
         wait = "" if r.exchange_wait_ms is None \
             else f"{r.decode_step}: {r.exchange_wait_ms:.2f} ({r.exchange_overhead_ms:.2f})"
@@ -374,7 +382,8 @@ def write_results(out: Path, rows: list[SystemRow], transport: list[dict], args,
             f"| {r.system} | {r.blas} | {r.threads} | {r.context} | {r.best('ttft_ms'):.0f} "
             f"| {r.best('prefill_tokens_per_s'):.0f} | {pre_ratio} | {r.best('decode_tokens_per_s'):.1f} "
             f"| {dec_ratio} | {r.kv_bytes_per_rank / MB:.1f} | {kv_ratio} | {r.ring_bytes / MB:.1f} "
-            f"| {r.peak_bytes_per_rank / MB:.0f} | {hidden} | {combine} | {sgemm} | {wait} | {estimate} "
+            f"| {r.peak_bytes_per_rank / MB:.0f} | {weights} | {bubble} | {hidden} | {combine} | {sgemm} "
+            f"| {wait} | {estimate} "
             f"| {peak} | {decode} |"
         )
     if transport:
