@@ -335,7 +335,8 @@ def run_serve(args: argparse.Namespace, options: ClusterOptions) -> int:
         service = Service(session, model_id, defaults, args.max_queue, args.max_request_bytes)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        say(f"{model_id} on {cluster.size} ranks ({', '.join(r.address for r in cluster.ranks)}); "
+        stages = f" as {cluster.stages} pipeline stages" if cluster.stages > 1 else ""
+        say(f"{model_id} on {cluster.size} ranks ({', '.join(r.address for r in cluster.ranks)}){stages}; "
             f"listening on http://{shown}:{port}/v1" + ("" if api_key is None else " (API key required)"))
         config = uvicorn.Config(make_app(service, api_key), log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
