@@ -291,16 +291,22 @@ def test_a_plan_past_a_ranks_memory_says_so(limited, model_dir):
     assert plan.ranks[0].peak_bytes > plan.ranks[0].need_bytes
 
 
-def test_a_gather_plan_counts_the_other_ranks_kv_on_rank_0(clusters, model_dir):
+def test_a_gather_plan_counts_the_other_ranks_kv_on_rank_0(model_dir):
     """While the ranks decode in gather steps rank 0 also holds the other ranks' K/V and the answer's:
     the plan's peak for rank 0 says so (a long answer, where those outweigh the rest)."""
     path = model_dir("llama")
-    session = raw_session(clusters.get(2, path), path, "pass_kv", max_tokens=16)
-    context, answer = 100, 1_000_000
-    plans = {}
-    for decode in ("lead", "gather"):
-        session.planner.decode = decode
-        plans[decode] = make_plan(session.planner, context, answer)
+    cluster = Cluster.launch(2)  # its own: a pooled rank's highest RSS so far is part of every peak
+    try:
+        cluster.connect()
+        cluster.load(str(path))
+        session = raw_session(cluster, path, "pass_kv", max_tokens=16)
+        context, answer = 100, 1_000_000
+        plans = {}
+        for decode in ("lead", "gather"):
+            session.planner.decode = decode
+            plans[decode] = make_plan(session.planner, context, answer)
+    finally:
+        cluster.close()
     # rank 1 holds half
     copy = (context // 2 + answer) * kv_bytes_per_token(session.planner.workload(context, 0))
     assert copy > 100 << 20

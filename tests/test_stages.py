@@ -32,7 +32,14 @@ from cpchat.client.plan import make_plan
 from cpchat.client.planner import Planner
 from cpchat.client.settings import Settings
 from cpchat.core.quantized_kv import KVFormat
-from cpchat.core.stages import ONE_STAGE, Stages, parse_stages, pipeline_cuts, pipeline_seconds
+from cpchat.core.stages import (
+    ONE_STAGE,
+    Stages,
+    fewest_stages,
+    parse_stages,
+    pipeline_cuts,
+    pipeline_seconds,
+)
 from cpchat.errors import BadInput
 from cpchat.smallmodels import write_model
 
@@ -291,6 +298,12 @@ def test_a_prompt_is_cut_into_chunks_for_the_stages():
     assert pipeline_seconds([4.0], 1) == 4.0
     assert pipeline_seconds([1.0, 1.0], 4) == pytest.approx(1.25)  # (4 + 2 - 1) chunks of 0.25 s
     assert pipeline_seconds([1.0, 3.0], 3) == pytest.approx(4 / 3 + 2)  # the slow stage sets the pace
+
+
+def test_auto_takes_the_fewest_stages_whose_ranks_hold_the_weights():
+    assert fewest_stages(100, [1000] * 4) == 1
+    assert fewest_stages(300, [250, 260, 300, 400]) == 2  # 150 each, within 3/4 of 250
+    assert fewest_stages(10_000, [100] * 4) == 4  # none holds it: every rank a stage (and the check says so)
 
 
 def test_stages_are_parsed():

@@ -66,6 +66,3 @@ def fewest_stages(weight_bytes: int, free: list[int]) -> int:
     counts = [p for p in range(1, ranks + 1) if ranks % p == 0]
     return next((p for p in counts if weight_bytes / p <= WEIGHT_SHARE * min(free)), ranks)
 
-
-def label(stages: Stages) -> str:
-    return "auto" if stages.auto else ",".join(map(str, stages.layers)) or str(stages.count)
