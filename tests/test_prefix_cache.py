@@ -150,6 +150,22 @@ def test_a_second_question_saves_nothing_new(clusters, model_dir, empty_cache):
 
 
 @pytest.mark.slow
+def test_a_hybrid_model_split_into_stages_keeps_and_reloads_its_states(clusters, tmp_path, empty_cache):
+    """Qwen3-Next's layers (linear, attention, linear, attention) as 3 + 1 over two stages, the second
+    without linear layers: both prefill in two passes, cut where the documents end (their hidden states
+    meet), and a new question reloads the state kept there."""
+    path = write_model(tmp_path / "qwen3_next", "qwen3_next", num_layers=4)
+    cluster = clusters.get(2, path, stages=Stages(2, (3, 1)))
+    doc, first, second = document_and_questions(path, seed=47)
+    got, _, session = ask(cluster, path, doc + first, documents_end=len(doc))
+    assert_same(got, mlx_lm_generate(path, doc + first, MAX_TOKENS))
+    assert len(doc) in session.state_positions
+    got, events, _ = ask(cluster, path, doc + second)
+    assert prefill_event(events).reused_tokens == len(doc)
+    assert_same(got, mlx_lm_generate(path, doc + second, MAX_TOKENS))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_hybrid_model_reloads_its_linear_states(clusters, model_dir, ranks, empty_cache):
     """Linear layers' states are saved where the ranks kept them: where the documents end (the prompt

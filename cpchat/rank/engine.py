@@ -269,7 +269,8 @@ class Engine:
         fmt, lone = self.info.kv_format, self.unread == (start, tokens[0])
         quantize_at = quantized_from(start, len(tokens), fmt.start, lone) \
             if fmt.quantized and not self.kv.quantized else None
-        state_at = start + int(req.keep_state_at) if self.info.linear and req.keep_state_at else None
+        # Every stage cuts where the states are kept, linear layers or not: their passes must meet.
+        state_at = start + int(req.keep_state_at) if req.keep_state_at else None
         # Passes: the prompt is cut where the K/V turn quantized, where a state is kept, and (pipeline
         # stages) into chunks that follow one another through the stages.
         chunks = pipeline_cuts(start, end, self.info.place.stages)

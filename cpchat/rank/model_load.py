@@ -98,7 +98,12 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION,
         use_float32_products(model)
     vocab_size = _vocab_size(model, config)
     layers = fit.describe_layers(model, probe_forward(model, vocab_size), range(stage.first, stage.end))
-    first = next(layer for layer in layers if isinstance(layer, LayerAttention))  # cache_slots saw one
+    first = next((layer for layer in layers if isinstance(layer, LayerAttention)), None)
+    if first is None:  # cache_slots saw one in the model: it is another stage's
+        name = config.get("model_type", fit.model_name(model))
+        raise stages.StagesRefused(f"{name}: layers {stage.first}-{stage.end - 1} keep recurrent states "
+                                   "only; every stage needs a layer that attends over keys and values: "
+                                   "give --stages layer counts that do")
     info = ModelShape(
         model_type=config.get("model_type", fit.model_name(model)),
         num_layers=len(layers),
