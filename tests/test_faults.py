@@ -89,21 +89,30 @@ def gone(rank: RankProc) -> bool:
     return not psutil.pid_exists(rank.pid)
 
 
+def killed_on(cluster: Cluster, request: GenerationRequest, kind: type,
+              victim: RankProc) -> tuple[str, float]:
+    """SIGKILL `victim` at the generation's first event of `kind`: the error the front end raised, and
+    the seconds it took."""
+    fault = None
+    with pytest.raises(BackendError) as err:
+        for event in cluster.generate(request):
+            if isinstance(event, kind) and fault is None:
+                os.kill(victim.pid, signal.SIGKILL)
+                fault = time.monotonic()
+    return str(err.value), time.monotonic() - fault
+
+
 @pytest.mark.slow
 def test_sigkill_mid_prefill_names_the_rank_and_layer(ring3, deep_model):
     ranks, cluster, _ = ring3
     victim = ranks[2]
     ids = random_prompt(deep_model, 1500, seed=1)
-    fault = None
-    with pytest.raises(BackendError) as err:
-        for event in cluster.generate(GenerationRequest(ids, max_tokens=4, algorithm="pass_kv")):
-            if isinstance(event, LayerDone) and fault is None:
-                os.kill(victim.pid, signal.SIGKILL)  # the first layer is done: prefill is under way
-                fault = time.monotonic()
-    detected = time.monotonic() - fault
-    print(f"\nSIGKILL mid-prefill detected in {detected:.2f} s: {err.value}")
+    # the first layer is done: prefill is under way
+    request = GenerationRequest(ids, max_tokens=4, algorithm="pass_kv")
+    err, detected = killed_on(cluster, request, LayerDone, victim)
+    print(f"\nSIGKILL mid-prefill detected in {detected:.2f} s: {err}")
     assert detected < DETECT_S
-    assert f"rank 2 ({victim.address}) stopped answering during prefill, layer " in str(err.value)
+    assert f"rank 2 ({victim.address}) stopped answering during prefill, layer " in err
     assert gone(victim)
     answers_exactly([r.address for r in ranks[:2]], deep_model, seed=2)
 
@@ -119,16 +128,11 @@ def test_a_pipeline_stage_killed_is_named_within_5_s(ring3, deep_model, phase):
     victim = ranks[1]
     ids = random_prompt(deep_model, 1500, seed=5) if phase == "prefill" else \
         reference_tokenizer(deep_model).encode(PROMPT, add_special_tokens=False)
-    fault = None
-    with pytest.raises(BackendError) as err:
-        for event in cluster.generate(GenerationRequest(ids, max_tokens=300, algorithm="pass_kv")):
-            if isinstance(event, LayerDone if phase == "prefill" else TokenOut) and fault is None:
-                os.kill(victim.pid, signal.SIGKILL)
-                fault = time.monotonic()
-    detected = time.monotonic() - fault
-    print(f"\nSIGKILL of a stage mid-{phase} detected in {detected:.2f} s: {err.value}")
+    request = GenerationRequest(ids, max_tokens=300, algorithm="pass_kv")
+    err, detected = killed_on(cluster, request, LayerDone if phase == "prefill" else TokenOut, victim)
+    print(f"\nSIGKILL of a stage mid-{phase} detected in {detected:.2f} s: {err}")
     assert detected < DETECT_S
-    assert f"rank 1 ({victim.address}) stopped answering during {phase}" in str(err.value)
+    assert f"rank 1 ({victim.address}) stopped answering during {phase}" in err
     assert gone(victim)
     wait_idle([ranks[0].address, ranks[2].address])  # the other stages dropped the request
 
