@@ -22,6 +22,7 @@ from helpers import (
     run,
     run_raw,
 )
+from rankprocs import start_ranks, stop_all
 from references import MlxReference, low_precision_noise, reference_generate
 
 from cpchat.client.cluster import Cluster
@@ -35,7 +36,8 @@ from cpchat.core.quantized_kv import KVFormat
 from cpchat.core.stages import (
     ONE_STAGE,
     Stages,
-    fewest_stages,
+    WeightParts,
+    memory_split,
     parse_stages,
     pipeline_cuts,
     pipeline_seconds,
@@ -290,6 +292,40 @@ def test_a_model_no_rank_holds_is_refused_before_it_is_read_and_auto_splits_it(t
         front.close(generating=False)
 
 
+@pytest.mark.slow
+def test_auto_gives_a_rank_of_little_memory_fewer_layers(tmp_path):
+    """Two attached ranks, one that may hold 0.3x a model's weights, one 1.5x: an even split does not
+    fit the first, so auto gives it one layer and the other five; each rank holds its share, and the
+    answer is mlx-lm's."""
+    path = write_model(tmp_path / "wide", "llama", num_layers=6, hidden_size=1024, num_heads=16)
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    ranks = start_ranks(1, tmp_path, args=[["--memory-limit", str(4 * weights)]])
+    try:
+        probe = Cluster([ranks[0].address])
+        probe.connect()
+        held = 4 * weights - probe.free_memory()[0]  # what an idle rank holds
+        probe.close()
+    finally:
+        stop_all(ranks)
+    limits = [held + int(0.3 * weights), held + int(1.5 * weights)]
+    ranks = start_ranks(2, tmp_path, args=[["--memory-limit", str(limit)] for limit in limits])
+    front = Frontend(Settings(model=str(path), stages="auto"),
+                     ClusterOptions(attach=",".join(r.address for r in ranks)))
+    try:
+        front.start(lambda phase, done, total: None)
+        cluster = front.cluster
+        assert [r.layers for r in cluster.ranks] == [(0, 1), (1, 6)]
+        layers, embedding, rest = file_bytes(path)
+        for r, share in zip(cluster.ranks, (layers[0] + embedding, sum(layers[1:]) + rest), strict=True):
+            assert abs(r.weight_bytes - share) <= 0.1 * share
+        ids = random_prompt(path, 9, seed=6)
+        got, _, _ = run_raw(cluster, path, ids, "auto", MAX_TOKENS)
+        assert_same(got, reference_generate(path, ids, MAX_TOKENS))
+    finally:
+        front.close(generating=False)
+        stop_all(ranks)
+
+
 def test_a_prompt_is_cut_into_chunks_for_the_stages():
     assert pipeline_cuts(0, 5000, 1) == []
     assert pipeline_cuts(0, 1100, 2) == [275, 550, 825]  # 4 chunks of at least 256 tokens
@@ -300,10 +336,14 @@ def test_a_prompt_is_cut_into_chunks_for_the_stages():
     assert pipeline_seconds([1.0, 3.0], 3) == pytest.approx(4 / 3 + 2)  # the slow stage sets the pace
 
 
-def test_auto_takes_the_fewest_stages_whose_ranks_hold_the_weights():
-    assert fewest_stages(100, [1000] * 4) == 1
-    assert fewest_stages(300, [250, 260, 300, 400]) == 2  # 150 each, within 3/4 of 250
-    assert fewest_stages(10_000, [100] * 4) == 4  # none holds it: every rank a stage (and the check says so)
+def test_a_split_follows_each_stages_memory_where_an_even_one_does_not_fit():
+    parts = WeightParts([10] * 6, embedding=4, rest=4, tied=False)  # 30 + 4 and 30 + 4 in halves
+    assert memory_split(parts, [100, 100]) == [3, 3]  # even: 34 each, within 3/4 of 100
+    assert memory_split(parts, [30, 100]) == [1, 5]  # the first stage holds 14 of 22.5; the rest 54 of 75
+    assert memory_split(parts, [30, 60]) is None  # 54 of 45: no split holds it
+    assert memory_split(parts, [100] * 7) is None  # more stages than layers
+    tied = WeightParts([10] * 6, embedding=4, rest=4, tied=True)
+    assert tied.stage_bytes(3, 6, 1, 2) == 38  # the last stage holds the embedding as its head
 
 
 def test_stages_are_parsed():

@@ -15,10 +15,10 @@ from pathlib import Path
 from cpchat.client.cluster import Cluster
 from cpchat.client.connect import ClusterOptions, connect_cluster
 from cpchat.client.hub import front_end_copy
-from cpchat.client.models import weight_files
+from cpchat.client.models import weight_parts
 from cpchat.client.session import Message, SamplingOptions, Session, load_tokenizer
 from cpchat.client.settings import Settings, rank_flags, resolve_model
-from cpchat.core.stages import ONE_STAGE, Stages, fewest_stages
+from cpchat.core.stages import ONE_STAGE, Stages, even_split, memory_split
 from cpchat.errors import BackendError, BadInput
 
 Report = Callable[[str, int, int], None]
@@ -122,14 +122,22 @@ class Frontend:
             self.cluster.close()
 
     def _auto_stages(self, directory: str) -> Stages:
-        """--stages auto: the fewest stages whose ranks hold the model's weights (the files here)."""
-        assert self.cluster is not None
-        files, _ = weight_files(Path(directory))
-        if not files:
+        """--stages auto: the fewest stages whose ranks hold the model's weights (read from the files
+        here), an even split where it fits, else each stage the layers its ranks' memory holds."""
+        cluster = self.cluster
+        assert cluster is not None
+        parts = weight_parts(Path(directory))
+        if not parts.layers:
             self.say("--stages auto: the model's weights are not on this machine to measure; one stage")
             return ONE_STAGE
-        weights = sum(f.stat().st_size for f in files)
-        return Stages(fewest_stages(weights, self.cluster.free_memory()))
+        free = cluster.free_memory()
+        for stages in (p for p in range(1, cluster.size + 1) if cluster.size % p == 0):
+            ring = cluster.size // stages
+            counts = memory_split(parts, [min(free[s * ring:(s + 1) * ring]) for s in range(stages)])
+            if counts is not None:
+                even = counts == even_split(len(parts.layers), stages)
+                return Stages(stages) if even else Stages(stages, tuple(counts))
+        return ONE_STAGE  # no split holds it: the ranks refuse it by name
 
     def _fetch(self, model_path: str, report: Report) -> str | None:
         """A hub model's files (or a GGUF's conversion) for the front end: the whole model when the

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -20,6 +21,7 @@ from cpchat.checkpoints import CheckpointError
 from cpchat.checkpoints.named import NAMED
 from cpchat.checkpoints.ollama import MODEL_LAYER, stores
 from cpchat.client.settings import demo_model
+from cpchat.core.stages import WeightParts
 from cpchat.dirs import cache_dir
 from cpchat.format import human_bytes, human_params
 
@@ -185,10 +187,8 @@ def weight_files(directory: Path) -> tuple[list[Path], list[str]]:
     return sorted(f for f in directory.glob("model*.safetensors") if f.is_file()), []
 
 
-def tensor_counts(files: list[Path], bits: int | None) -> tuple[int, dict[str, int]]:
-    """Parameters (a quantized weight's packed words counted as the values they hold; its scales and
-    biases not) and elements per dtype, from the safetensors headers."""
-    params, dtypes = 0, {}
+def tensors(files: list[Path]) -> Iterator[tuple[str, dict]]:
+    """Each tensor's name and header entry (dtype, shape, data_offsets) in these safetensors files."""
     for file in files:
         try:
             with file.open("rb") as f:
@@ -196,15 +196,41 @@ def tensor_counts(files: list[Path], bits: int | None) -> tuple[int, dict[str, i
                 header = json.loads(f.read(length))
         except (OSError, ValueError, struct.error):
             continue
-        for key, tensor in header.items():
-            if key == "__metadata__" or key.endswith((".scales", ".biases")):
-                continue
-            count = math.prod(tensor["shape"])
-            if bits and tensor["dtype"] == "U32":
-                count = count * 32 // bits
-            params += count
-            kind = DTYPES.get(tensor["dtype"], tensor["dtype"])
-            dtypes[kind] = dtypes.get(kind, 0) + count
+        yield from ((key, tensor) for key, tensor in header.items() if key != "__metadata__")
+
+
+def weight_parts(directory: Path) -> WeightParts:
+    """The bytes of each layer's weights, of the embedding and of the rest (final norm, head), from
+    the safetensors headers of an mlx-lm directory."""
+    layers: dict[int, int] = {}
+    embedding = rest = 0
+    head = False
+    for name, tensor in tensors(weight_files(directory)[0]):
+        size = tensor["data_offsets"][1] - tensor["data_offsets"][0]
+        if match := re.search(r"\blayers\.(\d+)\.", name):
+            layers[int(match[1])] = layers.get(int(match[1]), 0) + size
+        elif "embed" in name:
+            embedding += size
+        else:
+            rest += size
+            head = head or "head" in name or name.startswith("output.")
+    return WeightParts([layers.get(i, 0) for i in range(max(layers, default=-1) + 1)], embedding, rest,
+                       tied=not head)
+
+
+def tensor_counts(files: list[Path], bits: int | None) -> tuple[int, dict[str, int]]:
+    """Parameters (a quantized weight's packed words counted as the values they hold; its scales and
+    biases not) and elements per dtype, from the safetensors headers."""
+    params, dtypes = 0, {}
+    for key, tensor in tensors(files):
+        if key.endswith((".scales", ".biases")):
+            continue
+        count = math.prod(tensor["shape"])
+        if bits and tensor["dtype"] == "U32":
+            count = count * 32 // bits
+        params += count
+        kind = DTYPES.get(tensor["dtype"], tensor["dtype"])
+        dtypes[kind] = dtypes.get(kind, 0) + count
     return params, dtypes
 
 

@@ -59,10 +59,53 @@ def pipeline_seconds(stage_seconds: list[float], chunks: int) -> float:
 WEIGHT_SHARE = 0.75
 
 
-def fewest_stages(weight_bytes: int, free: list[int]) -> int:
-    """The fewest stages (dividing the ranks) in which every rank's share of the weights fits in
-    WEIGHT_SHARE of its free memory; all the ranks as stages when none does."""
-    ranks = len(free)
-    counts = [p for p in range(1, ranks + 1) if ranks % p == 0]
-    return next((p for p in counts if weight_bytes / p <= WEIGHT_SHARE * min(free)), ranks)
+def even_split(layers: int, stages: int) -> list[int]:
+    """Layers per stage, the first stages one more where they do not divide."""
+    base, extra = divmod(layers, stages)
+    return [base + (s < extra) for s in range(stages)]
 
+
+@dataclass(frozen=True)
+class WeightParts:
+    """The bytes of a model's weights: each layer's, the embedding's, and the rest's (the final norm,
+    the head); from the lazily loaded arrays on a rank, from the files' headers on the front end."""
+
+    layers: list[int]
+    embedding: int
+    rest: int
+    tied: bool  # the head is the embedding
+
+    def stage_bytes(self, first: int, end: int, stage: int, stages: int) -> int:
+        """What a rank of stage `stage` running layers [first, end) holds: its layers, the embedding on
+        the first stage (and on the last where the head is the embedding), the rest on the last."""
+        last = stage == stages - 1
+        embedding = stage == 0 or (last and self.tied)
+        return sum(self.layers[first:end]) + self.embedding * embedding + self.rest * last
+
+    def fits(self, counts: list[int], free: list[int]) -> bool:
+        """Whether each stage's weights take at most WEIGHT_SHARE of its ranks' least `free` memory."""
+        starts = [sum(counts[:s]) for s in range(len(counts))]
+        return all(self.stage_bytes(a, a + n, s, len(counts)) <= WEIGHT_SHARE * f
+                   for s, (a, n, f) in enumerate(zip(starts, counts, free, strict=True)))
+
+
+def memory_split(parts: WeightParts, free: list[int]) -> list[int] | None:
+    """Layers per stage for stages whose ranks have `free` memory (the least of each stage's): the even
+    split where it fits, else each stage in turn as many layers as fit it, leaving one for each stage
+    after it (None: no split fits)."""
+    stages, layers = len(free), len(parts.layers)
+    if stages > layers:
+        return None
+    even = even_split(layers, stages)
+    if parts.fits(even, free):
+        return even
+    counts, first = [], 0
+    for s in range(stages - 1):
+        take = 1
+        while (first + take < layers - (stages - s - 1)
+               and parts.stage_bytes(first, first + take + 1, s, stages) <= WEIGHT_SHARE * free[s]):
+            take += 1
+        counts.append(take)
+        first += take
+    counts.append(layers - first)
+    return counts if parts.fits(counts, free) else None

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from cpchat.core.stages import WEIGHT_SHARE
+from cpchat.core.stages import WEIGHT_SHARE, WeightParts, even_split
 from cpchat.format import human_bytes
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.fit import UnsupportedModel, mix_in, model_name
@@ -69,8 +69,7 @@ def split_layers(layers: int, stages: int, counts: tuple[int, ...] = ()) -> list
         return list(counts)
     if not 1 <= stages <= layers:
         raise StagesRefused(f"{stages} stages for a model of {layers} layers: at most one stage a layer")
-    base, extra = divmod(layers, stages)
-    return [base + (s < extra) for s in range(stages)]
+    return even_split(layers, stages)
 
 
 def place_of(rank: int, ranks: int, layers: int, stages: int, counts: tuple[int, ...] = ()) -> StagePlace:
@@ -207,23 +206,6 @@ class NoEmbedding:
         return mx.zeros((*x.shape, self.width), mx.float32)
 
 
-@dataclass(frozen=True)
-class WeightParts:
-    """The bytes of a model's weights, from its lazily loaded arrays' shapes (nothing read)."""
-
-    layers: list[int]
-    embedding: int
-    rest: int  # outside the layers and the embedding: the final norm, the head
-    tied: bool  # the head is the embedding
-
-    def of(self, place: StagePlace) -> int:
-        """What a rank of this place holds: its layers, the embedding on the first stage (and on the
-        last where the head is the embedding), the rest on the last."""
-        embedding = place.first_stage or (place.last_stage and self.tied)
-        layers = sum(self.layers[place.first:place.end])
-        return layers + self.embedding * embedding + self.rest * place.last_stage
-
-
 def _outside_layers(model: nn.Module) -> tuple[set[int], list[nn.Module], bool]:
     """The ids of the modules inside the layers, the embeddings outside them, and whether the output
     head is the embedding (no linear layer outside the layers)."""
@@ -246,14 +228,14 @@ def fewest_holding(parts: WeightParts, free: int, ranks: int) -> int | None:
     `free` (None: no split does)."""
     for stages in (p for p in range(1, ranks + 1) if ranks % p == 0 and p <= len(parts.layers)):
         places = [place_of(r, ranks, len(parts.layers), stages) for r in range(0, ranks, ranks // stages)]
-        if max(parts.of(p) for p in places) <= WEIGHT_SHARE * free:
+        if max(_held(parts, p) for p in places) <= WEIGHT_SHARE * free:
             return stages
     return None
 
 
 def check_weights_fit(parts: WeightParts, place: StagePlace, free: int, name: str) -> None:
     """Refuse, before any weight is read, a stage whose weights exceed what this rank may hold."""
-    held = parts.of(place)
+    held = _held(parts, place)
     if held <= free:
         return
     which = f"layers {place.first}-{place.end - 1} of " if place.stages > 1 else ""
@@ -264,13 +246,17 @@ def check_weights_fit(parts: WeightParts, place: StagePlace, free: int, name: st
                         f"{human_bytes(free)}: {hint}")
 
 
+def _held(parts: WeightParts, place: StagePlace) -> int:
+    return parts.stage_bytes(place.first, place.end, place.stage, place.stages)
+
+
 def _nbytes(module: nn.Module) -> int:
     return sum(a.nbytes for _, a in tree_flatten(module.parameters()))
 
 
 def keep_stage(model: nn.Module, place: StagePlace) -> None:
     """Make `model` (loaded lazily, nothing evaluated) run only its stage; the weights it does not run
-    are dropped before anything is read, so only the stage's ever reach memory (WeightParts.of)."""
+    are dropped before anything is read, so only the stage's ever reach memory (WeightParts.stage_bytes)."""
     if place.stages == 1:
         return
     layers = model.layers
