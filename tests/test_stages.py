@@ -255,6 +255,7 @@ def test_headless_stages_and_what_they_say(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a rank's headroom, measured once, must hold while it loads
 def test_a_model_no_rank_holds_is_refused_before_it_is_read_and_auto_splits_it(tmp_path, monkeypatch):
     """Ranks limited to 0.8x a 1024-wide llama's weights: one stage is refused before a weight is read
     (MLX allocated nothing), with the stages that would hold it; --stages auto splits it in two,
@@ -295,6 +296,7 @@ def test_a_model_no_rank_holds_is_refused_before_it_is_read_and_auto_splits_it(t
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a rank's headroom, measured once, must hold while it loads
 def test_auto_gives_a_rank_of_little_memory_fewer_layers(tmp_path):
     """Two attached ranks, one that may hold 0.3x a model's weights, one 1.5x: an even split does not
     fit the first, so auto gives it one layer and the other five; each rank holds its share, and the
