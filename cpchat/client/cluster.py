@@ -31,7 +31,7 @@ from cpchat.client.streams import (
 from cpchat.core.estimate import PrefillCost
 from cpchat.core.memory import ForwardMemory
 from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
-from cpchat.core.stages import ONE_STAGE, Stages
+from cpchat.core.stages import ONE_STAGE, Stages, common_cuts
 from cpchat.errors import BackendError, BadInput
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
@@ -409,9 +409,8 @@ class Cluster:
         if gone:
             raise PrefixGone("; ".join(gone))
         replies = [f.result() for f in futures]
-        constrained = [set(r.state_positions) for r in replies if r.state_positions]  # stages: their own
-        positions = tuple(sorted(set.intersection(*constrained))) if constrained else ()
-        return PrefixLoaded(max(r.keep_floor for r in replies), positions)
+        return PrefixLoaded(max(r.keep_floor for r in replies), common_cuts([tuple(r.state_positions)
+                                                                             for r in replies]))
 
     def cancel(self) -> None:
         """Ask every rank at once to abort the running request (a hung rank costs one deadline)."""

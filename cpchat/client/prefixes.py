@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cpchat.core.stages import common_cuts
+
 MIN_GAIN = 32  # tokens a saved prefix must add to what the ring holds to be worth loading
 
 
@@ -61,8 +63,8 @@ def choose_prefix(found: list[list[SavedPrefix]], limit: int, held: int = 0,
             continue
         usable = [have[s] for have, need in zip(by_rank, needed, strict=True) for s in need]
         top, floor = min(min(s.common for s in usable), limit), max(s.floor for s in usable)
-        constrained = [set(s.state_positions) for s in usable if s.state_positions]  # linear layers' cuts
-        cuts = sorted(set.intersection(*constrained)) if constrained else (top,)
+        constrained = any(s.state_positions for s in usable)  # linear layers' cuts
+        cuts = common_cuts([s.state_positions for s in usable]) if constrained else (top,)
         cut = max((c for c in cuts if floor <= c <= top), default=0)
         if cut >= held + MIN_GAIN and (best is None or (cut, same) > best[:2]):
             best = (cut, same, PrefixChoice(prefix_id, num_ranks, cut))

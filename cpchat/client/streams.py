@@ -17,6 +17,7 @@ from cpchat.client.events import RankStats
 from cpchat.client.generation import GenerationDone, GenerationEvent, PrefillDone, RankDone
 from cpchat.client.messages import generation_event, rank_done, rank_stats
 from cpchat.client.ranks import RankHandle
+from cpchat.core.stages import common_cuts
 from cpchat.errors import BackendError, BadInput
 from cpchat.protocol import cpchat_pb2 as pb
 
@@ -259,9 +260,8 @@ def ring_done(first: RankDone, dones: list[RankDone]) -> RankDone:
     """Rank 0's end of a request (`first`), with what every rank allows next (pipeline stages differ in
     it: a stage's sliding windows and linear layers are its own): the highest keep floor, the cuts all
     allow."""
-    constrained = [set(d.state_positions) for d in dones if d.state_positions]
-    positions = tuple(sorted(set.intersection(*constrained))) if constrained else ()
-    return replace(first, keep_floor=max(d.keep_floor for d in dones), state_positions=positions)
+    return replace(first, keep_floor=max(d.keep_floor for d in dones),
+                   state_positions=common_cuts([d.state_positions for d in dones]))
 
 
 def merged_stats(ranks: list[RankHandle], metadata, describe: Describe, interval_s: float,

@@ -33,6 +33,13 @@ def parse_stages(text: str) -> Stages:
     return Stages(len(numbers), numbers)
 
 
+def common_cuts(allowed: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The token counts linear layers' states can roll back to on every rank (or file): each rank's
+    own, the empty ones allowing any (a stage without such layers); empty where all do."""
+    constrained = [set(a) for a in allowed if a]
+    return tuple(sorted(set.intersection(*constrained))) if constrained else ()
+
+
 # A prompt through P stages goes in up to CHUNKS_PER_STAGE * P chunks of at least MIN_CHUNK tokens: while
 # stage s runs chunk k, stage s + 1 runs chunk k - 1, and the stages wait (the pipeline's bubble) only
 # while the first chunks fill the pipeline and the last ones drain it: about (P - 1) / (chunks + P - 1).

@@ -10,6 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from cpchat.core.sharding import Shares
+from cpchat.core.stages import common_cuts
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.prefix_cache import (
     CacheMiss,
@@ -48,11 +49,10 @@ def _joined(parts: list[Found]) -> Found:
     """One shard saved in several files (stages): what all of them allow."""
     if len(parts) == 1:
         return parts[0]
-    cuts = [set(p.state_positions) for p in parts if p.state_positions]
-    positions = tuple(sorted(set.intersection(*cuts))) if cuts else ()
     first = parts[0]
     return Found(first.prefix_id, first.num_ranks, first.shard, min(p.tokens for p in parts),
-                 min(p.common for p in parts), max(p.floor for p in parts), positions)
+                 min(p.common for p in parts), max(p.floor for p in parts),
+                 common_cuts([p.state_positions for p in parts]))
 
 
 class PrefixKeeper:
