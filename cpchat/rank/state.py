@@ -21,7 +21,7 @@ from cpchat import blas
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol.channel import open_channel, token_metadata
 from cpchat.rank.engine import BadRequest, Engine
-from cpchat.rank.stages import StagePlace, StagesRefused, place_of
+from cpchat.rank.stages import StagePlace, place_of
 from cpchat.rank.transport.data_plane import DataPlane, DataPlaneLink, check_backend
 from cpchat.rank.transport.ring import Link, Mailbox, Ring, RingLink
 from cpchat.rank.transport.shm import SharedMemoryLink, SharedMemoryListener
@@ -209,9 +209,7 @@ class RankState:
         if self.ring is None:
             raise NotNow("this rank is not part of a ring yet (Configure first)")
         rank, size = self.ring.rank, self.ring.size
-        if size % max(stages, 1):
-            raise StagesRefused(f"{size} ranks do not form {stages} stages of equal size")
-        return lambda layers: place_of(rank, size, layers, stages, counts)
+        return lambda layers: place_of(rank, size, layers, stages, counts)  # refuses a split that cannot be
 
     def _join_data_plane(self, backend: str, rank: int, addresses: Sequence[str]) -> DataPlane | None:
         """The mx.distributed group the ring asks for: formed now, or the one this process formed
