@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import platform
 import shutil
 import sys
 import sysconfig
@@ -124,6 +125,17 @@ SPIN = {"OPENBLAS_THREAD_TIMEOUT": "4"}
 def usable_cores() -> int:
     """The cores this process may run on (its affinity, which --cpu and taskset narrow)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it (else what the platform module says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cpu_allowance() -> float:

@@ -275,6 +275,8 @@ def use_blas(choice: str, threads: int, argv: list[str]) -> None:
 
 
 def run_rank(argv: list[str]) -> int:
+    from cpchat.dirs import measure_dir
+    from cpchat.rank.measures import MeasureStore
     from cpchat.rank.server import serve
 
     args = rank_parser().parse_args(argv)
@@ -297,6 +299,7 @@ def run_rank(argv: list[str]) -> int:
             tls_ca=read_bytes(args.tls_ca, "CA certificate"),
             parent_pid=args.parent_pid,
             cache=None if args.no_cache else prefix_store(args.cache_dir, args.cache_max_gb),
+            measures=MeasureStore(measure_dir()),
             memory_limit=memory_limit,
         )
     except (UsageError, BadInput, blas.BlasUnavailable) as e:

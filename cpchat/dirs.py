@@ -29,6 +29,11 @@ def cache_dir() -> Path:
     return Path(base) / "cpchat"
 
 
+def measure_dir() -> Path:
+    """Where ranks on this machine keep their models' measured costs (cpchat.rank.measures)."""
+    return cache_dir() / "measures"
+
+
 PREFIX_CACHE_GB = 16.0  # the default bound on each rank's saved prefixes
 
 

@@ -11,6 +11,7 @@ from cpchat.bench.compare_algorithms import BenchUsageError
 from cpchat.bench.shares import cpu_quota
 from cpchat.client.cluster import Cluster
 from cpchat.core.estimate import PrefillCost, balanced_shares, rank_seconds
+from cpchat.dirs import new_user
 from cpchat.errors import BadInput
 
 MAX_TOKENS = 6
@@ -91,11 +92,12 @@ def test_a_hybrids_states_cross_unequal_chunks(clusters, model_dir):
 
 @pytest.mark.slow
 @pytest.mark.alone
-def test_auto_shares_follow_the_measured_speeds(model_dir):
+def test_auto_shares_follow_the_measured_speeds(model_dir, tmp_path, monkeypatch):
     """Local ranks with the same CPU allowance keep equal shares whatever their calibrations say; one
     held to half a core by a CPU quota (a cgroup, as the bench does) reports it, measures itself
     slower when the model loads, and gets the smaller share, which the estimate expects to be faster.
-    Ranks of its own: a pooled rank keeps the measure it made while other tests ran."""
+    Ranks of its own, with no measures kept: the measures compared are made in this test, alone."""
+    monkeypatch.setenv("XDG_CACHE_HOME", new_user(tmp_path)["XDG_CACHE_HOME"])
     path = model_dir("llama")
     cluster = Cluster.launch(2)
     try:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from cpchat import blas
+
 
 def command_line(argv: list[str] | None = None) -> str:
     """The command as typed, for the report."""
@@ -22,15 +24,7 @@ def command_line(argv: list[str] | None = None) -> str:
 
 def machine() -> dict:
     """What the numbers were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "system": platform.system(),
+    return {"cpu": blas.cpu_name(), "cores": os.cpu_count(), "system": platform.system(),
             "python": platform.python_version(), "mlx": getattr(mx, "__version__", "")}
 
 

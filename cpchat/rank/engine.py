@@ -12,7 +12,6 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from cpchat import blas
 from cpchat.core.algorithms import BY_NAME
 from cpchat.core.estimate import PrefillCost
 from cpchat.core.memory import ForwardMemory
@@ -28,6 +27,7 @@ from cpchat.rank.cpu_products import COPY_SHARE, keep_float32_weights
 from cpchat.rank.decode_loop import RANK_0_ALONE, DecodeLoop
 from cpchat.rank.forward import run_model
 from cpchat.rank.kvstore import KVShard
+from cpchat.rank.measures import MeasureStore, measure_key
 from cpchat.rank.model_load import ModelShape, load_model
 from cpchat.rank.prefix_cache import CacheMiss, Found
 from cpchat.rank.prefix_keeper import PrefixKeeper
@@ -49,7 +49,7 @@ def _shares(req: pb.GenerateRequest) -> Shares | None:
 class Engine:
     """A loaded model plus this rank's KV shard; runs one request at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, measures: MeasureStore | None = None) -> None:
         self.model = None
         self.info: ModelShape | None = None
         self.kv: KVShard | None = None
@@ -61,7 +61,7 @@ class Engine:
         self.layer_calls: dict[int, LayerCall] = {}
         self.prefill_cost = PrefillCost(0, 0, 0)  # of the loaded model, measured once when it loads
         self.forward_memory = ForwardMemory(0, 0)  # likewise
-        self._measured: dict[tuple, tuple[PrefillCost, ForwardMemory]] = {}
+        self.measures = measures or MeasureStore(None)  # where loads find their model's measured cost
         self.weight_bytes = 0
         self.keep_floor = 0
         self.model_name = ""
@@ -80,12 +80,9 @@ class Engine:
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         if mx.default_device() == mx.cpu:
             self.weight_bytes += keep_float32_weights(self.model, free_bytes // COPY_SHARE)
-        # Measured once a model per process, for the CPU time and the BLAS threads the rank has then.
-        key = (self.info.files, self.info.place.first, self.info.place.end, self.weight_bytes,
-               blas.cpu_allowance(), blas.in_use().threads)
-        if key not in self._measured:
-            self._measured[key] = measure_prefill(self.model, self.info)
-        self.prefill_cost, self.forward_memory = self._measured[key]
+        key = measure_key(self.info.structure, self.info.place.first, self.info.place.end, self.weight_bytes)
+        self.prefill_cost, self.forward_memory = self.measures.measured(
+            key, lambda: measure_prefill(self.model, self.info))
         self.kv = KVShard(self.info.num_layers, self.info.linear, kv_format, self.info.elsewhere)
         self.states = StateStore()
         self.total_tokens = 0

@@ -3,11 +3,14 @@ out what each layer's attention needs (ModelShape); what cpchat cannot serve is 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from cpchat.checkpoints.resolve import is_checkpoint, model_dir
 from cpchat.core.quantized_kv import BITS, FULL_PRECISION, GROUP_SIZES, KVFormat
@@ -40,7 +43,7 @@ class ModelShape:
     latent: bool = False  # MLA layers: keys and values are a compressed latent
     kv_format: KVFormat = FULL_PRECISION
     identity: str = ""  # the model's files and the settings its K/V depend on (prefix_cache.model_identity)
-    files: str = ""  # the model's files on this device alone: what its speed depends on
+    structure: str = ""  # its config and each weight's shape and dtype: what its speed depends on
     place: StagePlace = StagePlace()  # the layers this rank runs, as a pipeline stage
 
     @property
@@ -123,8 +126,16 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION,
     settings = {"device": str(mx.default_device()), "kv_bytes": first.dtype_bytes,
                 "kv_format": [kv_format.bits, kv_format.group_size, kv_format.start]}
     info.identity = model_identity(local, settings)
-    info.files = model_identity(local, {"device": settings["device"]})
+    info.structure = structure(config, model)
     return model, info
+
+
+def structure(config: dict, model) -> str:
+    """A hash of what a model's speed depends on and its weights' values do not change."""
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, array in tree_flatten(model.parameters()):
+        digest.update(f"{name}\0{array.shape}\0{array.dtype}\0".encode())
+    return digest.hexdigest()
 
 
 def check_kv_format(info: ModelShape) -> None:

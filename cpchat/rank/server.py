@@ -28,6 +28,7 @@ from cpchat.protocol.channel import SERVER_KEEPALIVE, TokenCheck
 from cpchat.rank.calibration import MAX_PROBE_BYTES, PROBE_BYTES, Calibration, calibrate
 from cpchat.rank.engine import BadRequest
 from cpchat.rank.fit import UnsupportedModel
+from cpchat.rank.measures import MeasureStore
 from cpchat.rank.memory import free_bytes, reuse_freed_blocks
 from cpchat.rank.model_load import KVFormatRefused
 from cpchat.rank.prefix_cache import CacheMiss, PrefixStore
@@ -299,16 +300,19 @@ def serve(
     tls_ca: bytes | None = None,
     parent_pid: int | None = None,
     cache: PrefixStore | None = None,
+    measures: MeasureStore | None = None,
     memory_limit: int | None = None,
 ) -> None:
     """Run a rank until Shutdown, SIGTERM, or the death of its parent. `cache`: where it saves prefixes
-    (None: it never touches the disk for them); `memory_limit`: bytes it may hold in all (None: what
+    (None: it never touches the disk for them); `measures`: where it keeps its models' measured costs
+    (None: it measures at every load); `memory_limit`: bytes it may hold in all (None: what
     its device has)."""
     faulthandler.enable()  # a crash in native code leaves every thread's stack in the rank's log
     reuse_freed_blocks()
     stop = threading.Event()
     state = RankState(token, tls_ca, memory_limit)
     state.engine.prefix.cache = cache
+    state.engine.measures = measures or MeasureStore(None)
     state.shm = SharedMemoryListener(token, state.receive, state.link_closed)
     state.data_plane_port = free_port(host)
     interceptors = [TokenCheck(token)] if token else []
