@@ -25,6 +25,8 @@ from helpers import (
 from rankprocs import start_ranks, stop_all
 from references import MlxReference, low_precision_noise, reference_generate
 
+from cpchat.bench.compare_algorithms import BenchUsageError
+from cpchat.bench.shares import cpu_quota
 from cpchat.client.cluster import Cluster
 from cpchat.client.connect import ClusterOptions
 from cpchat.client.events import Progress
@@ -41,6 +43,7 @@ from cpchat.core.stages import (
     parse_stages,
     pipeline_cuts,
     pipeline_seconds,
+    speed_split,
 )
 from cpchat.errors import BadInput
 from cpchat.smallmodels import write_model
@@ -325,6 +328,42 @@ def test_auto_gives_a_rank_of_little_memory_fewer_layers(tmp_path):
         ids = random_prompt(path, 9, seed=6)
         got, _, _ = run_raw(cluster, path, ids, "auto", MAX_TOKENS)
         assert_same(got, reference_generate(path, ids, MAX_TOKENS))
+    finally:
+        front.close(generating=False)
+        stop_all(ranks)
+
+
+def test_layers_follow_the_stages_speeds():
+    assert speed_split([3, 3], [2.0, 1.0]) == [4, 2]
+    assert speed_split([10, 10, 10], [1.0, 1.0, 1.0]) == [10, 10, 10]
+    assert speed_split([3, 3], [1.0, 0.01]) == [5, 1]  # at least one a stage
+    assert speed_split([4, 3], [1.0, 1.0]) == [4, 3]  # a tie: the first stage takes the odd one
+    assert speed_split([2, 2, 2], [1.0, 3.0, 2.0]) == [1, 3, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.alone  # the ranks' measured speeds decide the split
+def test_a_slower_stage_gets_fewer_layers(tmp_path, model_dir):
+    """Two attached ranks as two stages, the second held to half a core (a cgroup): loaded evenly
+    first, the stages' measured speeds give the faster one more of the six layers, and the answer is
+    mlx-lm's."""
+    path = write_model(tmp_path / "llama6", "llama", num_layers=6, seed=3)
+    ranks = start_ranks(2, tmp_path)
+    front = Frontend(Settings(model=str(path), stages="2"),
+                     ClusterOptions(attach=",".join(r.address for r in ranks)))
+    try:
+        with cpu_quota(ranks[1].process.pid, 0.5):
+            front.start(lambda phase, done, total: None)
+            cluster = front.cluster
+            (_, cut), (second, end) = (r.layers for r in cluster.ranks)
+            assert cut == second >= 4 and end == 6  # how many more: the speeds measured then
+            note = f"--stages 2: layers {cut},{6 - cut}, by the stages' measured speeds"
+            assert front.take_notes() == [note]
+            ids = random_prompt(path, 9, seed=6)
+            got, _, _ = run_raw(cluster, path, ids, "auto", MAX_TOKENS)
+            assert_same(got, reference_generate(path, ids, MAX_TOKENS))
+    except BenchUsageError as e:
+        pytest.skip(str(e))  # no CPU cgroup to create (not root, or not Linux)
     finally:
         front.close(generating=False)
         stop_all(ranks)

@@ -56,11 +56,13 @@ from cpchat.tui.widgets import (
     ChatMessage,
     RankRow,
     RingPanel,
+    StageMap,
     StatusStrip,
     Transcript,
     Welcome,
     WorkBar,
 )
+from cpchat.tui.widgets.stage_map import StageCell, StageLine
 
 pytestmark = pytest.mark.anyio
 
@@ -128,7 +130,7 @@ async def test_prompt_streams_answer_and_panels_show_ranks(make_app):
         assert last.role == "assistant" and last.text
         assert answer.source == last.text
         rows = list(app.query(RankRow))
-        assert len(rows) == RANKS
+        assert len(rows) == RANKS and not app.query_one(StageMap).display  # one stage: no map
         await until(
             pilot,
             lambda: all(r.stats.kv_tokens > 0 and r.stats.state in ("ready", "idle") for r in rows),
@@ -502,6 +504,21 @@ async def test_the_panels_show_each_ranks_stage_and_the_pipelines_wait(make_app)
         await send(pilot, " ".join(["word"] * 700))  # long enough to go through the stages in chunks
         assert re.fullmatch(r"2 stages: waited up to [\d,]+ ms \(\d+% of the prefill\)",
                             app.query_one(RingPanel).pipeline)
+        stage_map = app.query_one(StageMap)
+        await until(pilot, lambda: all(c.kv_tokens for line in stage_map.lines for c in line.cells),
+                    what="the map's K/V tokens")
+        tokens = [row.stats.kv_tokens for row in app.query(RankRow)]
+        assert stage_map.display and stage_map.render().plain.splitlines()[1:] == [
+            f"0      ●0 {tokens[0]:<6}", f"1      ●1 {tokens[1]:<6}"]
+
+
+def test_the_stage_map_is_a_grid_of_stages_by_context_ranks():
+    """Four ranks as 2 x 2: a line a stage (its layers), a cell a rank (its K/V tokens)."""
+    stage_map = StageMap()
+    stage_map.lines = (StageLine(0, 15, (StageCell(0, "idle", 2100), StageCell(1, "busy", 12345))),
+                       StageLine(15, 30, (StageCell(2, "idle", 2100), StageCell(3, "failed", 0))))
+    assert stage_map.render().plain.splitlines() == [
+        "layers tokens →", "0–14   ●0 2100  ●1 12.3k ", "15–29  ●2 2100  ●3 0     "]
 
 
 @pytest.mark.slow

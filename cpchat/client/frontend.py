@@ -18,7 +18,7 @@ from cpchat.client.hub import front_end_copy
 from cpchat.client.models import weight_parts
 from cpchat.client.session import Message, SamplingOptions, Session, load_tokenizer
 from cpchat.client.settings import Settings, rank_flags, resolve_model
-from cpchat.core.stages import ONE_STAGE, Stages, even_split, memory_split
+from cpchat.core.stages import ONE_STAGE, Stages, even_split, memory_split, speed_split
 from cpchat.errors import BackendError, BadInput
 
 Report = Callable[[str, int, int], None]
@@ -139,6 +139,28 @@ class Frontend:
                 return Stages(stages) if even else Stages(stages, tuple(counts))
         return ONE_STAGE  # no split holds it: the ranks refuse it by name
 
+    def _stages_by_speed(self, stages: Stages, directory: str) -> Stages | None:
+        """After a load of P stages split evenly on ranks of unequal speeds: layers per stage in
+        proportion to the stages' measured speeds (a stage's layers over the time its ranks take for a
+        token's worth of them, its ranks together), where that split differs and its weights fit the
+        memory the ranks had before the load (None: keep the split loaded)."""
+        cluster = self.cluster
+        assert cluster is not None
+        costs, groups = cluster.rank_costs, [cluster.stage_ranks(s) for s in range(stages.count)]
+        unmeasured = not all(c.per_token_s for c in costs)
+        if stages.count == 1 or stages.layers or cluster.equally_fast or unmeasured:
+            return None
+        counts = [end - first for first, end in (cluster.ranks[ranks[0]].layers for ranks in groups)]
+        speeds = [n * sum(1 / costs[r].per_token_s for r in ranks)  # layers a second
+                  for n, ranks in zip(counts, groups, strict=True)]
+        split = speed_split(counts, speeds)
+        parts = weight_parts(Path(directory))
+        if split == counts or not parts.layers:
+            return None
+        free = [f + r.weight_bytes for f, r in zip(cluster.free_memory(), cluster.ranks, strict=True)]
+        fits = parts.fits(split, [min(free[r] for r in ranks) for ranks in groups])
+        return Stages(stages.count, tuple(split)) if fits else None
+
     def _fetch(self, model_path: str, report: Report) -> str | None:
         """A hub model's files (or a GGUF's conversion) for the front end: the whole model when the
         ranks are ours."""
@@ -152,5 +174,11 @@ class Frontend:
             stages = self._auto_stages(self.tokenizer_dir or model_path)
         self.cluster.load(model_path, on_progress=lambda done, total: report("load", done, total),
                           kv_format=self.settings.kv_format, stages=stages)
+        by_speed = self._stages_by_speed(stages, self.tokenizer_dir or model_path)
+        if by_speed is not None:
+            self.say(f"--stages {by_speed.count}: layers {','.join(map(str, by_speed.layers))}, by the "
+                     "stages' measured speeds")
+            self.cluster.load(model_path, on_progress=lambda done, total: report("load", done, total),
+                              kv_format=self.settings.kv_format, stages=by_speed)
         if self.session is not None:
             self.session.attach(self.cluster)  # a load empties the ranks' KV: the next turn re-reads all

@@ -72,6 +72,22 @@ def even_split(layers: int, stages: int) -> list[int]:
     return [base + (s < extra) for s in range(stages)]
 
 
+def speed_split(counts: list[int], stage_speeds: list[float]) -> list[int]:
+    """Layers per stage in proportion to each stage's speed in layers a second (`counts` as loaded, for
+    the total): the largest remainders take the layers left over, and a stage left none takes one
+    from the stage with the most."""
+    layers, total = sum(counts), sum(stage_speeds)
+    shares = [layers * v / total for v in stage_speeds]
+    split = [int(share) for share in shares]
+    for s in sorted(range(len(split)), key=lambda s: int(shares[s]) - shares[s])[:layers - sum(split)]:
+        split[s] += 1
+    for s in range(len(split)):
+        if split[s] == 0:
+            split[split.index(max(split))] -= 1
+            split[s] = 1
+    return split
+
+
 @dataclass(frozen=True)
 class WeightParts:
     """The bytes of a model's weights: each layer's, the embedding's, and the rest's (the final norm,

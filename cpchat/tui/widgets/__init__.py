@@ -11,6 +11,7 @@ from cpchat.tui.widgets.ranks import RanksPanel
 from cpchat.tui.widgets.ring import RingPanel
 from cpchat.tui.widgets.ring_chart import RingChart
 from cpchat.tui.widgets.side_panels import SidePanels
+from cpchat.tui.widgets.stage_map import StageMap
 from cpchat.tui.widgets.status_strip import StatusStrip
 from cpchat.tui.widgets.throughput import ThroughputPanel
 from cpchat.tui.widgets.transcript import Transcript
@@ -19,6 +20,6 @@ from cpchat.tui.widgets.work_bar import WorkBar
 
 __all__ = [
     "Answer", "AttachmentBar", "AttachmentChip", "BigText", "ChatInput", "ChatMessage", "RankRow",
-    "RanksPanel", "RingChart", "RingPanel", "SidePanels", "StatusStrip", "ThroughputPanel", "Transcript",
+    "RanksPanel", "RingChart", "RingPanel", "SidePanels", "StageMap", "StatusStrip", "ThroughputPanel", "Transcript",
     "Welcome", "WorkBar",
 ]

@@ -1,5 +1,6 @@
 """The Ranks panel: one row per rank, in ring order, scaled against the rank holding the most KV,
-with each rank's measured speed and its share of the last prefill."""
+with each rank's measured speed and its share of the last prefill; with --stages, the stage map
+above them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ from textual.reactive import reactive
 
 from cpchat.client.events import RankStats
 from cpchat.tui.widgets.rank_row import RankRow
+from cpchat.tui.widgets.stage_map import StageCell, StageLine, StageMap
+
+
+def layer_words(first: int, end: int) -> str:
+    return f"layers {first}–{end - 1}" if end - first > 1 else f"layer {first}"
 
 
 class RanksPanel(VerticalGroup):
@@ -19,7 +25,7 @@ class RanksPanel(VerticalGroup):
     kv_bits: reactive[int] = reactive(0)  # K/V quantized to this many bits (--kv-bits), 0: not
     speeds: reactive[tuple[float, ...]] = reactive(())  # tokens/s each rank measured at load
     shares: reactive[tuple[int, ...]] = reactive(())  # the new tokens each rank took in the last prefill
-    places: reactive[tuple[str, ...]] = reactive(())  # each rank's pipeline stage and layers ("": one stage)
+    layers: reactive[tuple[tuple[int, int], ...]] = reactive(())  # each rank's layers [first, end)
     stages = 1  # pipeline stages of the ring: shares are of a stage's ranks, the same in every stage
 
     def watch_kv_bits(self, bits: int) -> None:
@@ -31,9 +37,23 @@ class RanksPanel(VerticalGroup):
     def watch_shares(self) -> None:
         self._share_out()
 
-    def watch_places(self, places: tuple[str, ...]) -> None:
+    def watch_layers(self, layers: tuple[tuple[int, int], ...]) -> None:
+        ring = max(len(self.rows) // self.stages, 1)
         for rank, row in self.rows.items():
-            row.place = places[rank] if rank < len(places) else ""
+            staged = self.stages > 1 and rank < len(layers)
+            row.place = f"stage {rank // ring} · {layer_words(*layers[rank])}" if staged else ""
+        self._map()
+
+    def _map(self) -> None:
+        """The stage map's grid: a line a stage, a cell a rank (its state and K/V tokens)."""
+        ring, stats = max(len(self.rows) // self.stages, 1), [row.stats for row in self.rows.values()]
+        if self.stages < 2 or len(self.layers) != len(stats):
+            self.stage_map.lines = ()
+            return
+        self.stage_map.lines = tuple(
+            StageLine(*self.layers[first], tuple(StageCell(s.rank, s.state, s.kv_tokens)
+                                                 for s in stats[first:first + ring]))
+            for first in range(0, len(stats), ring))
 
     def _share_out(self) -> None:
         total = sum(self.shares)
@@ -46,15 +66,17 @@ class RanksPanel(VerticalGroup):
         super().__init__(**kwargs)
         self.border_title = "Ranks"
         self.rows: dict[int, RankRow] = {}
+        self.stage_map = StageMap()
 
     async def set_ranks(self, ranks: list[RankStats]) -> None:
         """Start over with these rows (a new ring); the old rows are gone when this returns."""
         await self.remove_children()
+        self.stage_map = StageMap()
         self.rows = {s.rank: RankRow(s) for s in ranks}
-        await self.mount_all(self.rows.values())
+        await self.mount_all([self.stage_map, *self.rows.values()])
         self.shares = ()
         self._share_out()
-        self.watch_places(self.places)
+        self.watch_layers(self.layers)
         self._rescale()
 
     def update_stats(self, stats: RankStats) -> None:
@@ -78,6 +100,7 @@ class RanksPanel(VerticalGroup):
             row.largest_kv = largest
         tokens = max((r.stats.kv_tokens for r in self.rows.values()), default=0)
         self.largest = (len(self.rows), tokens, largest)
+        self._map()
 
     @property
     def total_kv_tokens(self) -> int:

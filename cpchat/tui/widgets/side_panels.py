@@ -14,10 +14,6 @@ from cpchat.tui.widgets.ring import RingPanel, cache_words, pipeline_words
 from cpchat.tui.widgets.throughput import ThroughputPanel
 
 
-def layer_words(first: int, end: int) -> str:
-    return f"layers {first}–{end - 1}" if end - first > 1 else f"layer {first}"
-
-
 class SidePanels(VerticalScroll):
     """Collapsed to the status strip on narrow terminals (see app.tcss)."""
 
@@ -37,9 +33,7 @@ class SidePanels(VerticalScroll):
                                     for r in message.ranks])
         self.ranks.speeds = tuple(r.speed for r in message.ranks)
         self.ranks.stages = message.model.stages
-        staged = message.model.stages > 1
-        self.ranks.places = tuple(f"stage {r.stage} · {layer_words(*r.layers)}" if staged else ""
-                                  for r in message.ranks)
+        self.ranks.layers = tuple(r.layers for r in message.ranks)
         self.throughput.context_max = message.model.max_context
         self.ranks.kv_bits = message.model.kv_format.bits
         self.ring.transport = message.transport
