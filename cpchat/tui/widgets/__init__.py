@@ -20,6 +20,6 @@ from cpchat.tui.widgets.work_bar import WorkBar
 
 __all__ = [
     "Answer", "AttachmentBar", "AttachmentChip", "BigText", "ChatInput", "ChatMessage", "RankRow",
-    "RanksPanel", "RingChart", "RingPanel", "SidePanels", "StageMap", "StatusStrip", "ThroughputPanel", "Transcript",
-    "Welcome", "WorkBar",
+    "RanksPanel", "RingChart", "RingPanel", "SidePanels", "StageMap", "StatusStrip", "ThroughputPanel",
+    "Transcript", "Welcome", "WorkBar",
 ]
