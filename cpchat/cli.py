@@ -94,6 +94,10 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="prompt tokens: 32768, 32K, 1M (K = 1024)")
     add_cluster_flags(p)
     p.add_argument("--max-tokens", type=int, default=None, help="the answer's tokens (default 256)")
+    p.add_argument("--paper", metavar="HOSTS", default=None,
+                   help="plan on paper for hosts that are not here, given by their memory: 8x64G or "
+                        "64G,64G,32G (no ranks start; the model's weights need not be here, its "
+                        "config.json must)")
     return p
 
 
@@ -153,6 +157,8 @@ def run_plan(argv: list[str]) -> int:
     front = None
     try:
         settings = resolve_settings(args)
+        if args.paper:
+            return plan_on_paper(args.paper, settings, args.context)
         front = Frontend(settings, cluster_options(args), say=lambda line: print(line, file=sys.stderr))
         front.start(lambda phase, done, total: None)
         planner = Planner(front.cluster, settings.algorithm, shares=settings.shares)
@@ -169,6 +175,26 @@ def run_plan(argv: list[str]) -> int:
     finally:
         if front is not None:
             front.close(generating=False)
+
+
+def plan_on_paper(hosts: str, settings, context: int) -> int:
+    """`cpchat plan --paper HOSTS`: the plan from the model's shapes, on hosts given by their memory."""
+    from pathlib import Path
+
+    from cpchat.client.hub import front_end_copy
+    from cpchat.client.paper import paper_lines, paper_model, parse_hosts
+    from cpchat.client.settings import resolve_model
+    from cpchat.core.paper_plan import paper_plan
+
+    memory = parse_hosts(hosts)
+    model = paper_model(Path(front_end_copy(resolve_model(settings.model)[0], whole_model=False)),
+                        settings.kv_format)
+    plan = paper_plan(model, memory, context, settings.stage_split)
+    if plan is None:
+        raise BadInput(f"--stages does not split the model's {len(model.kv)} layers over {len(memory)} hosts")
+    for line in paper_lines(plan, settings.model or "the demo model"):
+        print(line)
+    return EXIT_OK if plan.holds else 1
 
 
 def rank_parser() -> argparse.ArgumentParser:
@@ -312,7 +338,7 @@ def run_rank(argv: list[str]) -> int:
 
 
 def memory_size(text: str | None) -> int | None:
-    from cpchat.rank.memory import parse_size
+    from cpchat.format import parse_size
 
     try:
         return None if text is None else parse_size(text)

@@ -3,6 +3,18 @@ the other; pure, no I/O."""
 
 from __future__ import annotations
 
+import re
+
+UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'8G', '512M', '1.5G', '1000000' (bytes) -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (expected bytes, or a number with K, M, G or T)")
+    return int(float(match[1]) * UNITS[match[2].upper()])
+
 
 def human_duration(seconds: float) -> str:
     """A rough duration for people: '40 s', '3 min', '1 h 20 min'."""

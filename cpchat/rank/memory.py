@@ -4,25 +4,15 @@ own limit (`cpchat rank --memory-limit`, or $CPCHAT_MEMORY_LIMIT for the ranks a
 from __future__ import annotations
 
 import ctypes
-import re
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 import psutil
 
-UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 NO_LIMIT = 1 << 62  # cgroups write "max" or a number near 2^63 for no limit
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 MMAP_THRESHOLD = 32 << 20  # the most glibc allows on 64-bit systems
-
-
-def parse_size(text: str) -> int:
-    """'8G', '512M', '1.5G', '1000000' (bytes) -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", text, re.IGNORECASE)
-    if not match:
-        raise ValueError(f"not a size: {text!r} (expected bytes, or a number with K, M, G or T)")
-    return int(float(match[1]) * UNITS[match[2].upper()])
 
 
 def free_bytes(limit: int | None = None) -> int:
