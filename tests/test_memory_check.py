@@ -217,7 +217,7 @@ def test_auto_shares_give_the_rank_with_room_the_tokens_the_other_cannot_hold(un
 @pytest.mark.slow
 def test_headless_refuses_with_one_line_and_exit_2(model_dir, tmp_path):
     prompt = tmp_path / "long.txt"
-    prompt.write_text("word " * 20_000)  # 60,001 tokens: inside the context
+    prompt.write_text("word " * 40_000)  # 120,001 tokens: inside the context, twice what 300M hold
     env = {**os.environ, "CPCHAT_MEMORY_LIMIT": "300M"}
     result = subprocess.run([sys.executable, "-m", "cpchat", "--headless", "--ranks", "2", "--raw",
                              "--model", str(model_dir("llama")), "--prompt-file", str(prompt)],

@@ -340,16 +340,21 @@ def launch(sshd_env: dict, hostfile: Path, model: Path, *extra: str) -> subproce
 
 
 @pytest.mark.slow
-def test_launch_over_ssh_matches_mlx_lm_and_stops_the_ranks(hosts, sshd, model_dir, tmp_path):
+@pytest.mark.parametrize("stages", [1, 2])
+def test_launch_over_ssh_matches_mlx_lm_and_stops_the_ranks(hosts, sshd, model_dir, tmp_path, stages):
+    """Two hosts as one ring of two context ranks, or as two pipeline stages (each host reads half the
+    layers, and the hidden states cross between the hosts)."""
     path = model_dir("llama")
     hostfile = tmp_path / "hosts.json"  # mlx.launch's form
     hostfile.write_text(json.dumps([{"ssh": a, "ips": [a]} for a in hosts.addresses[:2]]))
-    p = launch(sshd, hostfile, path, "--max-tokens", "12")
+    p = launch(sshd, hostfile, path, "--max-tokens", "12", "--stages", str(stages))
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     evs = [json.loads(line) for line in out.splitlines()]
     assert [r["address"].rsplit(":", 1)[0] for r in evs[0]["ranks"]] == hosts.addresses[:2]
-    assert evs[0]["transport"] == "grpc"
+    assert evs[0]["transport"] == "grpc" and evs[0]["stages"] == stages
+    if stages == 2:
+        assert [(r["stage"], r["layers"]) for r in evs[0]["ranks"]] == [(0, [0, 1]), (1, [1, 2])]
     assert [e["id"] for e in evs if e["event"] == "token"] == expected_tokens(path, 12)
     assert wait_gone(launched_ranks) == [], "a launched rank outlived the front end"
 
