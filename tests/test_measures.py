@@ -12,7 +12,7 @@ from cpchat.client.cluster import Cluster
 from cpchat.core.estimate import PrefillCost
 from cpchat.core.memory import ForwardMemory
 from cpchat.dirs import measure_dir, new_user
-from cpchat.rank.measures import MAX_AGE_S, MeasureStore, measure_key
+from cpchat.rank.measures import MAX_AGE_S, MeasureStore
 from cpchat.rank.model_load import structure
 from cpchat.smallmodels import write_model
 
@@ -44,7 +44,8 @@ def test_a_store_gives_back_what_it_kept_while_it_is_fresh_and_whole(tmp_path):
 
 
 def test_the_key_follows_structure_layers_and_weights_not_weight_values(tmp_path):
-    """Two seeds of one config share a structure; another dtype, width or layer range does not."""
+    """Two seeds of one config share a structure, another width or depth does not; another layer
+    range, weight bytes or count of ranks sharing the machine gives another key."""
 
     def shape_of(name: str, **options) -> str:
         model, config = load_model(write_model(tmp_path / name, "llama", **options), lazy=True)
@@ -53,14 +54,16 @@ def test_the_key_follows_structure_layers_and_weights_not_weight_values(tmp_path
     a, b = shape_of("a", seed=1), shape_of("b", seed=2)
     assert a == b
     assert len({a, shape_of("wide", seed=1, hidden_size=128), shape_of("deep", seed=1, num_layers=3)}) == 3
-    key = measure_key(a, 0, 2, 1000)
-    assert key == measure_key(b, 0, 2, 1000)
-    assert len({key, measure_key(a, 1, 2, 1000), measure_key(a, 0, 2, 2000)}) == 3
+    store, beside_another = MeasureStore(None), MeasureStore(None, ranks_here=2)
+    key = store.key(a, 0, 2, 1000)
+    assert key == store.key(b, 0, 2, 1000)
+    others = {store.key(a, 1, 2, 1000), store.key(a, 0, 2, 2000), beside_another.key(a, 0, 2, 1000)}
+    assert len({key, *others}) == 4
 
 
 def test_ranks_read_a_kept_measure_and_measure_again_when_old_or_damaged(tmp_path, monkeypatch, model_dir):
     """Real ranks of a user with no cache yet: the first load measures and keeps one entry (the ranks
-    share the machine, so the key: one measures, the other reads its numbers); a load after the entry
+    share the machine, so the key: both measure, both use the first one kept); a load after the entry
     was rewritten reports the rewritten cost (read, not measured); after it aged or was damaged, a
     measured one again, kept anew."""
     monkeypatch.setenv("XDG_CACHE_HOME", new_user(tmp_path)["XDG_CACHE_HOME"])
@@ -72,7 +75,7 @@ def test_ranks_read_a_kept_measure_and_measure_again_when_old_or_damaged(tmp_pat
         entries = list(measure_dir().glob("*.json"))
         assert len(entries) == 1
         measured = cluster.rank_costs[0]
-        assert cluster.rank_costs == [measured, measured] and measured.per_token_s > 0
+        assert cluster.rank_costs == [measured, measured] and measured.per_token_s > 0  # the first kept
         entry = entries[0]
         entry.write_text(json.dumps({"prefill": COST.__dict__, "memory": MEMORY.__dict__}))
         cluster.load(other)

@@ -117,6 +117,8 @@ def launch_local_ranks(n: int, blas_choice: str = "auto", pin_cpus: bool = False
             blas_choice,
             "--threads",
             str(threads),
+            "--ranks-here",
+            str(n),
             *flags,
         ]
         if pin_cpus:

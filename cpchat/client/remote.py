@@ -67,7 +67,8 @@ def launch_remote_ranks(hosts: list[Host], token: str, threads: int | None = Non
     log_dir = Path(tempfile.mkdtemp(prefix="cpchat-ssh-ranks-"))
     started: list[tuple[subprocess.Popen, Path, str]] = []
     for i, host in enumerate(hosts):
-        share = f"--threads {threads}" if threads else f"--ranks-here {sum(h.ssh == host.ssh for h in hosts)}"
+        share = f"--ranks-here {sum(h.ssh == host.ssh for h in hosts)}"
+        share += f" --threads {threads}" if threads else ""
         command = (f"exec {remote} rank --host {shlex.quote(host.address)} --port {host.port} "
                    f"--token-file /dev/stdin --parent-pid $PPID {share}")
         log_path = log_dir / f"rank{i}.log"

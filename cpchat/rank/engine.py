@@ -27,7 +27,7 @@ from cpchat.rank.cpu_products import COPY_SHARE, keep_float32_weights
 from cpchat.rank.decode_loop import RANK_0_ALONE, DecodeLoop
 from cpchat.rank.forward import run_model
 from cpchat.rank.kvstore import KVShard
-from cpchat.rank.measures import MeasureStore, measure_key
+from cpchat.rank.measures import MeasureStore
 from cpchat.rank.model_load import ModelShape, load_model
 from cpchat.rank.prefix_cache import CacheMiss, Found
 from cpchat.rank.prefix_keeper import PrefixKeeper
@@ -80,7 +80,8 @@ class Engine:
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         if mx.default_device() == mx.cpu:
             self.weight_bytes += keep_float32_weights(self.model, free_bytes // COPY_SHARE)
-        key = measure_key(self.info.structure, self.info.place.first, self.info.place.end, self.weight_bytes)
+        stage = self.info.place
+        key = self.measures.key(self.info.structure, stage.first, stage.end, self.weight_bytes)
         self.prefill_cost, self.forward_memory = self.measures.measured(
             key, lambda: measure_prefill(self.model, self.info))
         self.kv = KVShard(self.info.num_layers, self.info.linear, kv_format, self.info.elsewhere)
