@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from cpchat import EXIT_BACKEND, EXIT_OK, EXIT_USAGE, __version__, blas
 from cpchat.client.cluster import TRANSPORTS
@@ -13,6 +14,9 @@ from cpchat.core.algorithms import ALGORITHMS
 from cpchat.core.quantized_kv import BITS, GROUP_SIZES
 from cpchat.errors import BadInput
 from cpchat.flags import add_threads_flag, positive_int
+
+if TYPE_CHECKING:
+    from cpchat.client.settings import Settings
 
 
 def app_parser() -> argparse.ArgumentParser:
@@ -177,7 +181,7 @@ def run_plan(argv: list[str]) -> int:
             front.close(generating=False)
 
 
-def plan_on_paper(hosts: str, settings, context: int) -> int:
+def plan_on_paper(hosts: str, settings: Settings, context: int) -> int:
     """`cpchat plan --paper HOSTS`: the plan from the model's shapes, on hosts given by their memory."""
     from pathlib import Path
 

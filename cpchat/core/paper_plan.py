@@ -81,17 +81,14 @@ def stage_plan(model: PaperModel, memory: list[int], context: int, counts: list[
 def paper_plan(model: PaperModel, memory: list[int], context: int, stages: Stages) -> PaperPlan | None:
     """The plan for `stages` (auto: the fewest stages, dividing the hosts, whose every host holds its
     part, else the most). None: `stages` cannot split this model's layers over these hosts."""
-    layers = len(model.kv)
-    if stages.layers:
-        candidates = [(stages.count, list(stages.layers))] if sum(stages.layers) == layers else []
-    elif stages.auto:  # as --stages auto splits them when the ranks load
-        candidates = [(p, _memory_split(model, memory, p)) for p in range(1, min(len(memory), layers) + 1)
-                      if len(memory) % p == 0]
-    elif stages.count <= layers and len(memory) % stages.count == 0:
-        candidates = [(stages.count, even_split(layers, stages.count))]
+    layers, hosts = len(model.kv), len(memory)
+    if stages.auto:  # as --stages auto splits them when the ranks load
+        splits = [_memory_split(model, memory, p) for p in range(1, min(hosts, layers) + 1) if hosts % p == 0]
+    elif hosts % stages.count or stages.count > layers or (stages.layers and sum(stages.layers) != layers):
+        splits = []
     else:
-        candidates = []
-    plans = [stage_plan(model, memory, context, split) for _, split in candidates]
+        splits = [list(stages.layers) or even_split(layers, stages.count)]
+    plans = [stage_plan(model, memory, context, split) for split in splits]
     if stages.auto:
         return next((plan for plan in plans if plan.holds), plans[-1] if plans else None)
     return plans[0] if plans else None
