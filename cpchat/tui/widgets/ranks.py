@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from textual.app import ComposeResult
 from textual.containers import VerticalGroup
 from textual.reactive import reactive
 
@@ -68,12 +69,14 @@ class RanksPanel(VerticalGroup):
         self.rows: dict[int, RankRow] = {}
         self.stage_map = StageMap()
 
+    def compose(self) -> ComposeResult:
+        yield self.stage_map
+
     async def set_ranks(self, ranks: list[RankStats]) -> None:
         """Start over with these rows (a new ring); the old rows are gone when this returns."""
-        await self.remove_children()
-        self.stage_map = StageMap()
+        await self.remove_children(RankRow)
         self.rows = {s.rank: RankRow(s) for s in ranks}
-        await self.mount_all([self.stage_map, *self.rows.values()])
+        await self.mount_all(self.rows.values())
         self.shares = ()
         self._share_out()
         self.watch_layers(self.layers)
