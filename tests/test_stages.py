@@ -45,6 +45,7 @@ from cpchat.core.stages import (
     pipeline_seconds,
     speed_split,
 )
+from cpchat.dirs import new_user
 from cpchat.errors import BadInput
 from cpchat.smallmodels import write_model
 
@@ -343,11 +344,12 @@ def test_layers_follow_the_stages_speeds():
 
 @pytest.mark.slow
 @pytest.mark.alone  # the ranks' measured speeds decide the split
-def test_a_slower_stage_gets_fewer_layers(tmp_path, model_dir):
+def test_a_slower_stage_gets_fewer_layers(tmp_path, monkeypatch):
     """Two attached ranks as two stages, the second held to half a core (a cgroup): loaded evenly
     first, the stages' measured speeds give the faster one more of the six layers, and the answer is
     mlx-lm's."""
     path = write_model(tmp_path / "llama6", "llama", num_layers=6, seed=3)
+    monkeypatch.setenv("XDG_CACHE_HOME", new_user(tmp_path)["XDG_CACHE_HOME"])  # the measures made here
     ranks = start_ranks(2, tmp_path)
     front = Frontend(Settings(model=str(path), stages="2"),
                      ClusterOptions(attach=",".join(r.address for r in ranks)))
