@@ -13,7 +13,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -202,11 +202,16 @@ def tensors(files: list[Path]) -> Iterator[tuple[str, dict]]:
 def weight_parts(directory: Path) -> WeightParts:
     """The bytes of each layer's weights, of the embedding and of the rest (final norm, head), from
     the safetensors headers of an mlx-lm directory."""
+    return parts_by_name((name, tensor["data_offsets"][1] - tensor["data_offsets"][0])
+                         for name, tensor in tensors(weight_files(directory)[0]))
+
+
+def parts_by_name(sizes: Iterable[tuple[str, int]]) -> WeightParts:
+    """WeightParts from each weight's name (as mlx-lm names them) and bytes."""
     layers: dict[int, int] = {}
     embedding = rest = 0
     head = False
-    for name, tensor in tensors(weight_files(directory)[0]):
-        size = tensor["data_offsets"][1] - tensor["data_offsets"][0]
+    for name, size in sizes:
         if match := re.search(r"\blayers\.(\d+)\.", name):
             layers[int(match[1])] = layers.get(int(match[1]), 0) + size
         elif "embed" in name:

@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cpchat.client.models import weight_parts
+from cpchat.client.models import parts_by_name, weight_parts
 from cpchat.core.paper_plan import PAPER_SHARE, LayerKV, PaperModel, PaperPlan
 from cpchat.core.quantized_kv import KVFormat
-from cpchat.core.stages import WeightParts
 from cpchat.errors import BadInput
 from cpchat.format import human_bytes, parse_size
 
@@ -56,7 +55,7 @@ def paper_model(directory: Path, kv_format: KVFormat) -> PaperModel:
                         path, hasattr(m, "to_quantized") and m.weight.shape[-1] % group == 0))
     parts = weight_parts(directory)
     if not parts.layers:
-        parts = _lazy_parts(tree_flatten(model.parameters()), len(model.layers))
+        parts = parts_by_name((name, array.nbytes) for name, array in tree_flatten(model.parameters()))
     kv_heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     held = kv_format.bytes_per_element(element) if kv_format.quantized else element
@@ -65,21 +64,6 @@ def paper_model(directory: Path, kv_format: KVFormat) -> PaperModel:
     kv = [LayerKV(per_token, c.max_size if isinstance(c, RotatingKVCache) else 0)
           if isinstance(c, KVCache | RotatingKVCache) else LayerKV(0) for c in caches]
     return PaperModel(parts, kv)
-
-
-def _lazy_parts(parameters: list, layers: int) -> WeightParts:
-    """WeightParts from the model's (unevaluated) parameters, as weight_parts reads them from files."""
-    by_layer, embedding, rest, head = [0] * layers, 0, 0, False
-    for name, array in parameters:
-        fields = name.split(".")
-        if "layers" in fields and fields[fields.index("layers") + 1].isdigit():
-            by_layer[int(fields[fields.index("layers") + 1])] += array.nbytes
-        elif "embed" in name:
-            embedding += array.nbytes
-        else:
-            rest += array.nbytes
-            head = head or "head" in name
-    return WeightParts(by_layer, embedding, rest, tied=not head)
 
 
 def paper_lines(plan: PaperPlan, model: str) -> list[str]:
