@@ -348,9 +348,10 @@ def test_a_slower_stage_gets_fewer_layers(tmp_path, monkeypatch):
     """Two attached ranks as two stages, the second held to half a core (a cgroup): loaded evenly
     first, the stages' measured speeds give the faster one more of the six layers, and the answer is
     mlx-lm's."""
-    path = write_model(tmp_path / "llama6", "llama", num_layers=6, seed=3)
+    # wide enough that a token's products, not a forward's fixed costs, set the measured speeds
+    path = write_model(tmp_path / "llama6", "llama", num_layers=6, seed=3, hidden_size=512, num_heads=8)
     monkeypatch.setenv("XDG_CACHE_HOME", new_user(tmp_path)["XDG_CACHE_HOME"])  # the measures made here
-    ranks = start_ranks(2, tmp_path)
+    ranks = start_ranks(2, tmp_path, args=[["--threads", "1"]] * 2)  # a core each, at most
     front = Frontend(Settings(model=str(path), stages="2"),
                      ClusterOptions(attach=",".join(r.address for r in ranks)))
     try:
