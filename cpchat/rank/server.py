@@ -312,7 +312,8 @@ def serve(
     stop = threading.Event()
     state = RankState(token, tls_ca, memory_limit)
     state.engine.prefix.cache = cache
-    state.engine.measures = measures or MeasureStore(None)
+    if measures is not None:
+        state.engine.measures = measures
     state.shm = SharedMemoryListener(token, state.receive, state.link_closed)
     state.data_plane_port = free_port(host)
     interceptors = [TokenCheck(token)] if token else []
