@@ -168,8 +168,9 @@ def _read_words(path: Path) -> list[str]:
 
 
 def shared_threads(sharing: int, cores: int | None = None) -> int:
-    """BLAS threads for each of `sharing` processes that share this machine's cores: at least one."""
-    return max(1, (usable_cores() if cores is None else cores) // max(1, sharing))
+    """BLAS threads for each of `sharing` processes that share this machine's cores (its CPU allowance,
+    which a quota narrows): at least one."""
+    return max(1, int(cpu_allowance() if cores is None else cores) // max(1, sharing))
 
 
 def thread_environment(threads: int, env: dict[str, str] | None = None) -> dict[str, str]:

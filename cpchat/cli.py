@@ -216,8 +216,8 @@ def rank_parser() -> argparse.ArgumentParser:
     add_threads_flag(p)
     p.add_argument("--ranks-here", type=int, default=1, metavar="K",
                    help="ranks started on this machine together: without --threads, each takes an "
-                        "equal share of the cores; their measured speeds are kept apart from those of "
-                        "other counts (default 1: all of them)")
+                        "equal share of the cores; their measured speeds are scaled by the cores' sharing "
+                        "(default 1: all of them)")
     p.add_argument("--memory-limit", metavar="SIZE", default=os.environ.get("CPCHAT_MEMORY_LIMIT"),
                    help="the most this rank may hold, e.g. 12G: prompts that would need more are refused "
                         "before they start (default $CPCHAT_MEMORY_LIMIT, else what the machine has)")

@@ -18,7 +18,7 @@ get shares that even their times out (`balanced_shares`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import numpy as np
 
@@ -43,6 +43,10 @@ class PrefillCost:
         """The busiest rank's prefill, every rank at this cost; `groups` query heads share a key head
         (they set the key tiles)."""
         return max(rank_seconds([self] * ranks, new_tokens, cached_tokens, groups, shares))
+
+    def scaled(self, factor: float) -> PrefillCost:
+        """Every time `factor` times as long (a rank that shares its cores)."""
+        return PrefillCost(*(factor * seconds for seconds in astuple(self)))
 
     def rank_seconds(self, tokens: int, pairs: tuple[int, int]) -> float:
         """A rank's prefill of `tokens` queries that compute `pairs` (rank_pairs') in its tiles."""
