@@ -32,6 +32,7 @@ def app_parser() -> argparse.ArgumentParser:
     p.add_argument("--temp", type=float, default=None, help="sampling temperature; 0 is greedy")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
+    add_speculation_flags(p)
     p.add_argument("--headless", action="store_true", help="no TUI: a scripted run")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="the user message (headless)")
@@ -125,6 +126,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--temp", type=float, default=None, help="temperature when a request does not say (0)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
+    add_speculation_flags(p)
     add_cache_flags(p)
     return p
 
@@ -234,6 +236,15 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
                    help="values per quantization group along the head dimension (default 64)")
     p.add_argument("--quantized-kv-start", type=int, default=None, metavar="S",
                    help="quantize once the K/V hold this many tokens, as mlx-lm does (default 5000)")
+
+
+def add_speculation_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculate", metavar="off|lookup|auto", default=None,
+                   help="speculative decoding: each step also checks tokens proposed from the conversation "
+                        "itself (lookup) and keeps those the model would have produced; the answer is the "
+                        "same. auto (default): lookup")
+    p.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                   help="tokens proposed a step (default: adaptive, more while they are accepted)")
 
 
 def add_cache_flags(p: argparse.ArgumentParser) -> None:

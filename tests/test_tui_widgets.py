@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from rich.console import Console
 from textual.app import App, ComposeResult
 
-from cpchat.client.events import Done, Prefill, RankUsage, RingStep
+from cpchat.client.events import Done, Prefill, RankUsage, RingStep, Speculated
 from cpchat.tui.widgets import Answer, ThroughputPanel
 from cpchat.tui.widgets.answer import Pace
 from cpchat.tui.widgets.ring_chart import RingChart
@@ -16,6 +17,13 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def _text(widget) -> str:
+    console = Console(width=60, record=True, file=None)
+    with console.capture():
+        console.print(widget.render())
+    return console.export_text()
 
 
 async def test_the_throughput_panel_computes_its_rates_from_what_it_is_handed():
@@ -34,8 +42,12 @@ async def test_the_throughput_panel_computes_its_rates_from_what_it_is_handed():
         ranks = [RankUsage(0, 1000, 1 << 20, 0), RankUsage(1, 1011, 1 << 20, 0)]
         panel.done = Done(0, 2000, 11, 240.0, 0.0, ranks)  # the client's figures win, where it has them
         assert panel.ttft_ms == 240 and panel.decode_tps == 5.0 and panel.context_used == 2011
+        assert panel.speculation is None and "tok/step" not in _text(panel)
+        panel.done = Done(0, 2000, 11, 240.0, 9.0, ranks, Speculated("lookup", 12, 6, 4))
+        await pilot.pause()
+        assert "lookup 2.5 tok/step, 50% taken" in _text(panel)  # 10 tokens after the first, in 4 steps
         panel.clear()
-        assert (panel.ttft_ms, panel.prefill_tps, panel.decode_tps) == (None, None, None)
+        assert (panel.ttft_ms, panel.prefill_tps, panel.decode_tps, panel.speculation) == (None,) * 4
 
 
 async def test_an_answer_keeps_its_text_and_its_pace_and_says_how_it_ended():

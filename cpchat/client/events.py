@@ -85,6 +85,17 @@ class RankUsage:
 
 
 @dataclass
+class Speculated:
+    """Speculative decoding over an answer: the mode that ran ("off" or "lookup"), the tokens proposed
+    and accepted, and the decode steps that decided the answer's tokens after the first."""
+
+    mode: str = "off"
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+
+@dataclass
 class Done:
     turn: int
     prompt_tokens: int
@@ -92,6 +103,7 @@ class Done:
     ttft_ms: float
     decode_tokens_per_s: float
     ranks: list[RankUsage]
+    speculation: Speculated = field(default_factory=Speculated)
 
 
 @dataclass

@@ -109,7 +109,8 @@ class Frontend:
             s = self.settings
             sampling = SamplingOptions(s.max_tokens, s.temp, s.top_p, s.seed)
             self.session = Session(self.cluster, self.tokenizer, raw=raw, algorithm=s.algorithm,
-                                   sampling=sampling, prefix_cache=s.cache, shares=s.shares)
+                                   sampling=sampling, prefix_cache=s.cache, shares=s.shares,
+                                   speculate=s.speculate, draft_tokens=s.draft_tokens)
             self.session.messages = list(messages)
         return self.session
 

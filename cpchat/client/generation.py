@@ -22,6 +22,8 @@ class GenerationRequest:
     keep_state_at: int = 0  # linear layers also keep their state after this many of `tokens` (0: no)
     shares: tuple[int, ...] = ()  # each rank's share of `tokens` (cpchat.core.sharding); empty: equal
     top_logprobs: int = 0  # each token also names this many most likely tokens, with theirs
+    speculation: str = "off"  # "lookup": each decode step also checks proposed tokens (the same answer)
+    draft_tokens: int = 0  # tokens proposed a step; 0: adaptive
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class RankDone:
     keep_floor: int  # a later request keeps at least this many tokens, or none
     state_bytes: int
     state_positions: tuple[int, ...]  # where linear layers' states can roll back to; empty: anywhere
+    proposed: int = 0  # speculative decoding: tokens proposed and accepted, and the decode steps
+    accepted: int = 0
+    decode_steps: int = 0
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ def generate_request(g: GenerationRequest) -> pb.GenerateRequest:
                              top_logprobs=g.top_logprobs),
         stop_tokens=g.stop_tokens, decode=pb.Decode.Value(BY_NAME[g.decode].wire), save_prefix=g.save_prefix,
         keep_state_at=g.keep_state_at, shares=g.shares,
+        speculation=pb.Speculation.Value(f"SPECULATION_{g.speculation.upper()}"), draft_tokens=g.draft_tokens,
     )
 
 
@@ -41,7 +42,7 @@ def generation_event(e: pb.GenerateEvent) -> GenerationEvent:
 
 def rank_done(d: pb.GenerateDone) -> RankDone:
     return RankDone(d.kv_tokens, d.kv_bytes, d.rss_bytes, d.cached_tokens, d.cancelled, d.keep_floor,
-                    d.state_bytes, tuple(d.state_positions))
+                    d.state_bytes, tuple(d.state_positions), d.proposed, d.accepted, d.decode_steps)
 
 
 def rank_stats(r: RankHandle, s: pb.RankStats) -> RankStats:

@@ -20,6 +20,7 @@ from cpchat.client.events import (
     Prefill,
     Progress,
     RankUsage,
+    Speculated,
     Token,
 )
 from cpchat.client.generation import GenerationDone, GenerationRequest, LayerDone, PrefillDone, TokenOut
@@ -93,9 +94,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Session:
     # Set on purpose only: the prefill algorithm and the decode step are the planner's now, and an
     # attribute of the old name would be ignored without a word.
-    __slots__ = ("_cancel", "cluster", "held", "keep_floor", "last_choice", "messages", "planner",
-                 "prefix_cache", "raw", "raw_history", "sampling", "save_min_tokens", "saved",
-                 "state_positions", "tokenizer", "turn_index")
+    __slots__ = ("_cancel", "cluster", "draft_tokens", "held", "keep_floor", "last_choice", "messages",
+                 "planner", "prefix_cache", "raw", "raw_history", "sampling", "save_min_tokens", "saved",
+                 "speculate", "state_positions", "tokenizer", "turn_index")
 
     def __init__(
         self,
@@ -107,6 +108,8 @@ class Session:
         decode: str = "auto",
         prefix_cache: bool = False,
         shares: str = "auto",
+        speculate: str = "off",
+        draft_tokens: int = 0,
     ) -> None:
         self.cluster, self.tokenizer, self.raw = cluster, tokenizer, raw
         # Reuse prefixes the ranks saved on disk, and have them save this conversation once it holds
@@ -119,6 +122,9 @@ class Session:
         # each rank's share of a prompt, chosen from the ranks' measurements.
         self.planner = Planner(cluster, algorithm, decode, shares)
         self.sampling = sampling or SamplingOptions()
+        # Speculative decoding (cpchat/core/lookup.py): "off", "lookup" or "auto" (lookup), and the
+        # tokens proposed a step (0: adaptive). The answer is the same either way.
+        self.speculate, self.draft_tokens = speculate, draft_tokens
         self.messages: list[Message] = []
         self.raw_history: list[int] = []  # --raw: every prompt and generated token so far
         self.held: list[int] = []  # tokens whose K/V the ring holds
@@ -330,6 +336,7 @@ class Session:
             keep_state_at=max(documents_end - keep, 0) if self.prefix_cache and linear else 0,
             shares=shares or (),
             top_logprobs=self.sampling.top_logprobs,
+            speculation="off" if self.speculate == "off" else "lookup", draft_tokens=self.draft_tokens,
         )
         turn = self.turn_index
         detok = self.tokenizer.detokenizer
@@ -380,4 +387,5 @@ class Session:
             for r, res in sorted(self.cluster.last_results.items())
             if res.done
         ]
-        yield Done(turn, len(full), len(generated), round(ttft, 1), round(rate, 2), usage)
+        speculated = Speculated(request.speculation, done.proposed, done.accepted, done.decode_steps)
+        yield Done(turn, len(full), len(generated), round(ttft, 1), round(rate, 2), usage, speculated)

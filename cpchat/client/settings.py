@@ -26,6 +26,7 @@ from cpchat.checkpoints.ollama import is_ollama
 from cpchat.checkpoints.resolve import is_checkpoint, local_gguf
 from cpchat.client.hub import is_hub_id
 from cpchat.core.algorithms import ALGORITHMS
+from cpchat.core.lookup import MAX_DRAFT, SPECULATE
 from cpchat.core.quantized_kv import BITS, GROUP_SIZES, QUANTIZED_KV_START, KVFormat
 from cpchat.core.sharding import Shares, integer_shares
 from cpchat.core.stages import Stages, parse_stages
@@ -63,6 +64,8 @@ class Settings:
     kv_bits: int = 0  # K/V quantized to 4 or 8 bits (mlx-lm's --kv-bits); 0: the model's dtype
     kv_group_size: int = 64
     quantized_kv_start: int = QUANTIZED_KV_START
+    speculate: str = "auto"  # speculative decoding: off | lookup | auto (cpchat/core/lookup.py)
+    draft_tokens: int = 0  # tokens proposed a step; 0: adaptive
     model_dirs: str = "~/models"  # folders of models for the picker, joined by os.pathsep
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -117,6 +120,8 @@ _CASTS = {
     "kv_bits": int,
     "kv_group_size": int,
     "quantized_kv_start": int,
+    "speculate": str,
+    "draft_tokens": int,
     "model_dirs": _folders,
 }
 
@@ -152,6 +157,11 @@ def _set(settings: Settings, key: str, value: object, source: str) -> None:
         raise BadInput(f"setting quantized_kv_start from {source}: cannot be negative")
     if key == "threads" and value < 0:
         raise BadInput(f"setting threads from {source}: cannot be negative (0: share the cores out)")
+    if key == "speculate" and value not in SPECULATE:
+        hint = ": draft models are not supported yet" if value.startswith("draft:") else ""
+        raise BadInput(f"setting speculate from {source}: {value!r} is not {', '.join(SPECULATE)}{hint}")
+    if key == "draft_tokens" and not 0 <= value <= MAX_DRAFT:
+        raise BadInput(f"setting draft_tokens from {source}: {value} is not 1 to {MAX_DRAFT} (0: adaptive)")
     if key == "ranks" and value < 1:
         raise BadInput(f"setting ranks from {source}: must be at least 1")
     setattr(settings, key, value)
@@ -193,6 +203,8 @@ def resolve_settings(args: argparse.Namespace, config_file: Path | None = None) 
         "kv_bits": args.kv_bits,
         "kv_group_size": args.kv_group_size,
         "quantized_kv_start": args.quantized_kv_start,
+        "speculate": args.speculate,
+        "draft_tokens": args.draft_tokens,
     }
     for key, value in flags.items():
         if value is not None:

@@ -23,6 +23,11 @@ class Decode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECODE_LEAD: _ClassVar[Decode]
     DECODE_GATHER: _ClassVar[Decode]
 
+class Speculation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPECULATION_OFF: _ClassVar[Speculation]
+    SPECULATION_LOOKUP: _ClassVar[Speculation]
+
 class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FRAME_KIND_UNSPECIFIED: _ClassVar[FrameKind]
@@ -49,6 +54,8 @@ DECODE_EXCHANGE: Decode
 DECODE_RING: Decode
 DECODE_LEAD: Decode
 DECODE_GATHER: Decode
+SPECULATION_OFF: Speculation
+SPECULATION_LOOKUP: Speculation
 FRAME_KIND_UNSPECIFIED: FrameKind
 KV: FrameKind
 QUERY: FrameKind
@@ -187,7 +194,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens", "decode", "save_prefix", "keep_state_at", "shares")
+    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens", "decode", "save_prefix", "keep_state_at", "shares", "speculation", "draft_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +206,8 @@ class GenerateRequest(_message.Message):
     SAVE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     KEEP_STATE_AT_FIELD_NUMBER: _ClassVar[int]
     SHARES_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     keep_tokens: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -210,7 +219,9 @@ class GenerateRequest(_message.Message):
     save_prefix: bool
     keep_state_at: int
     shares: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[Decode, str]] = ..., save_prefix: _Optional[bool] = ..., keep_state_at: _Optional[int] = ..., shares: _Optional[_Iterable[int]] = ...) -> None: ...
+    speculation: Speculation
+    draft_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[Decode, str]] = ..., save_prefix: _Optional[bool] = ..., keep_state_at: _Optional[int] = ..., shares: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("prefill", "token", "done", "progress")
@@ -257,7 +268,7 @@ class TokenEvent(_message.Message):
     def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateDone(_message.Message):
-    __slots__ = ("kv_tokens", "kv_bytes", "rss_bytes", "cached_tokens", "cancelled", "keep_floor", "state_bytes", "state_positions")
+    __slots__ = ("kv_tokens", "kv_bytes", "rss_bytes", "cached_tokens", "cancelled", "keep_floor", "state_bytes", "state_positions", "proposed", "accepted", "decode_steps")
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +277,9 @@ class GenerateDone(_message.Message):
     KEEP_FLOOR_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     kv_tokens: int
     kv_bytes: int
     rss_bytes: int
@@ -274,7 +288,10 @@ class GenerateDone(_message.Message):
     keep_floor: int
     state_bytes: int
     state_positions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cancelled: _Optional[bool] = ..., keep_floor: _Optional[int] = ..., state_bytes: _Optional[int] = ..., state_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+    proposed: int
+    accepted: int
+    decode_steps: int
+    def __init__(self, kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cancelled: _Optional[bool] = ..., keep_floor: _Optional[int] = ..., state_bytes: _Optional[int] = ..., state_positions: _Optional[_Iterable[int]] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., decode_steps: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)

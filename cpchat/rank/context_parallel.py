@@ -111,7 +111,8 @@ class RingPass:
     start: int = 0  # global position of the first new token
     seq_len: int = 0  # new tokens in this forward (all ranks' together, in prefill)
     shares: Shares | None = None  # each rank's share of them (cpchat.core.sharding; None: equal)
-    keeper: int = 0  # decode: the rank that keeps the new token's K/V
+    keeper: int = 0  # decode: the rank that keeps the new tokens' K/V
+    tick: int | None = None  # decode: the answer's step (its parity tells steps apart); None: start
     hand_on: bool = False  # a gather step (rank 0 alone, on every rank's K/V): new K/V kept for the keeper
     held: dict[int, list[Block]] = field(default_factory=dict)  # a gather step's blocks besides `kv`'s
     timings: list[StepTiming] = field(default_factory=list)
@@ -196,8 +197,8 @@ class RingPass:
 
     def key(self, layer: int, step: int, kind: int) -> BlockKey:
         """The key of a block of this pass (`kind` a pb.FrameKind)."""
-        if self.decoding:  # consecutive tokens' partials differ: a rank may run one token ahead
-            step += self.start % 2 * self.ring.size
+        if self.decoding:  # consecutive steps' partials differ: a rank may run one step ahead
+            step += (self.start if self.tick is None else self.tick) % 2 * self.ring.size
         return BlockKey(self.request_id, layer, step, kind)
 
     def take(self, timing: StepTiming, key: BlockKey, source: int | None = None) -> list[mx.array]:

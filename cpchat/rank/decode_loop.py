@@ -25,6 +25,7 @@ from cpchat.rank.model_load import ModelShape
 from cpchat.rank.prefix_keeper import PrefixKeeper
 from cpchat.rank.sampling import sample, token_event
 from cpchat.rank.stages import Handoff
+from cpchat.rank.statestore import StateStore
 from cpchat.rank.transport.ring import Aborted, Ring
 from cpchat.rank.transport.wire import BlockKey
 
@@ -42,6 +43,7 @@ class Held(Protocol):
     model: object
     info: ModelShape
     kv: KVShard
+    states: StateStore
     total_tokens: int
     layer_calls: dict[int, LayerCall]
     prefix: PrefixKeeper
@@ -71,6 +73,8 @@ class DecodeLoop:
         self.shares = tuple(req.shares) or None
         self.gathered: gathered.Gathered | None = None  # rank 0's view of every rank's K/V in a gather step
         self.handing: deque[tuple[int, int, gathered.NewKV]] = deque()  # its steps' new K/V, to hand on
+        self.keepers: dict[int, int] = {}  # each answer position's K/V: the rank that keeps them
+        self.steps = 0  # forwards of this answer so far
 
     def sample_and_share(self, source: int, index: int, logits: mx.array | None) -> pb.TokenEvent:
         """Rank `source` (of the whole ring) samples token `index` and sends it to every other rank."""
@@ -139,49 +143,60 @@ class DecodeLoop:
         if ahead is not None:  # built from a stop token: its K/V go
             held.total_tokens -= 1
             held.kv.truncate(held.total_tokens)
-        if self.gathered is not None:
-            self.gathered.hand_back(held.kv, lambda p: decode_owner(p, ring.size, self.shares) == 0,
-                                    below=held.total_tokens)
+        self.hand_back()
         return event.id
 
-    def step(self, token: int | mx.array, evaluate: bool = True) -> mx.array | None:
-        """One token's step; `token` may be a graph still being evaluated (a pipelined step, which
-        is left a graph too)."""
+    def hand_back(self) -> None:
+        """After a gather answer: rank 0's share of its tokens' K/V, from the gathered copy to its shard."""
+        if self.gathered is not None:
+            self.gathered.hand_back(self.held.kv, lambda p: self.keepers[p] == 0,
+                                    below=self.held.total_tokens)
+
+    def step(self, token: int | mx.array | list[int], evaluate: bool = True) -> mx.array | None:
+        """One step: a token's (logits [vocab]), or a block of tokens', each seeing those before it (a
+        speculative block: logits [n, vocab]). `token` may be a graph still being evaluated (a
+        pipelined step, which is left a graph too). One rank keeps the step's K/V."""
         held, ring = self.held, self.ring
-        position = held.total_tokens
+        position, count = held.total_tokens, len(token) if isinstance(token, list) else 1
+        positions = np.arange(position, position + count)
         keeper = decode_owner(position, ring.size, self.shares)
+        self.keepers.update(dict.fromkeys(range(position, position + count), keeper))
+        if isinstance(token, list):
+            ids, row = mx.array([token]), slice(0, count)
+        else:
+            ids, row = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]]), 0
+        self.steps += 1
         if self.step_kind == "gather" and ring.size > 1:
-            logits = self.gather_step(token, position, keeper, evaluate)
-            held.total_tokens = position + 1
+            logits = self.gather_step(ids, row, positions, keeper, evaluate)
+            held.total_tokens = position + count
             return logits
         store = keeper == ring.rank
         if store:
-            held.kv.begin_append(np.array([position]))
-        ring_pass = held.ring_pass(self.req.request_id, self.step_kind, ring, self.abort,
-                                   np.array([position]), np.array([True]), position, position, 1, store=store,
-                                   keeper=keeper)
+            held.kv.begin_append(positions)
+        ring_pass = held.ring_pass(self.req.request_id, self.step_kind, ring, self.abort, positions,
+                                   np.ones(count, bool), position, position, count, store=store,
+                                   keeper=keeper, tick=self.steps)
         if self.step_kind == "lead" and ring.rank != 0:
             decode.follow(ring_pass, [held.layer_calls[i] for i in sorted(held.layer_calls)])
             if store:
                 held.kv.commit()
             logits = None
         else:
-            ids = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]])
-            logits = run_model(held.model, ring_pass, ids, row=0, evaluate=evaluate,
+            logits = run_model(held.model, ring_pass, ids, row=row, evaluate=evaluate,
                                handoff=self.handoff(position))
         held.record(ring_pass)
-        held.total_tokens = position + 1
+        held.total_tokens = position + count
         return logits if ring.rank == 0 else None
 
     def handoff(self, position: int) -> Handoff | None:
         return self.held.handoff(self.world, self.req.request_id, position, self.abort, self.ring.rank)
 
-    def gather_step(self, token: int | mx.array, position: int, keeper: int,
+    def gather_step(self, ids: mx.array, row: int | slice, positions: np.ndarray, keeper: int,
                     evaluate: bool) -> mx.array | None:
         """A gather step (cpchat.rank.gathered): rank 0 runs it alone over every rank's K/V, as a rank
-        alone does, and `hand_on` gives the new token's K/V to the rank that keeps them once evaluated;
+        alone does, and `hand_on` gives the new tokens' K/V to the rank that keeps them once evaluated;
         the others only keep theirs."""
-        held, ring, request_id = self.held, self.ring, self.req.request_id
+        held, ring, request_id, position = self.held, self.ring, self.req.request_id, int(positions[0])
         if ring.rank != 0:
             held.record_no_pass("gather")
             if keeper == ring.rank:
@@ -192,13 +207,13 @@ class DecodeLoop:
             self.gathered = gathered.gather_shards(held.kv, ring, self.abort, request_id)
         if held.kv.quantized and not self.gathered.quantized:
             self.gathered.quantize()
-        self.gathered.new.begin_append(np.array([position]))
+        self.gathered.new.begin_append(positions)
+        count = len(positions)
         ring_pass = held.ring_pass(request_id, "gather", Ring(0, 1, {}, ring.mailbox), self.abort,
-                                   np.array([position]), np.array([True]), position, position, 1,
+                                   positions, np.ones(count, bool), position, position, count,
                                    kv=self.gathered.new, keeper=keeper, hand_on=True,
-                                   held=self.gathered.blocks(held.kv))
-        ids = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]])
-        logits = run_model(held.model, ring_pass, ids, row=0, evaluate=evaluate,
+                                   held=self.gathered.blocks(held.kv), tick=self.steps)
+        logits = run_model(held.model, ring_pass, ids, row=row, evaluate=evaluate,
                            handoff=self.handoff(position))
         held.record(ring_pass)
         self.handing.append((position, keeper, ring_pass.unkept))
@@ -214,17 +229,21 @@ class DecodeLoop:
             self.hand_on_kv()
             self.share(index, sampled)
 
-    def hand_on_kv(self) -> None:
-        """The oldest gather step's new K/V, to the rank that keeps them (rank 0's own stay in
-        self.gathered.new until the answer ends)."""
+    def hand_on_kv(self, below: int | None = None) -> None:
+        """The oldest gather step's new K/V (those before position `below`: a speculative block's
+        kept ones), to the rank that keeps them (rank 0's own stay in self.gathered.new until the
+        answer ends)."""
         position, keeper, new = self.handing.popleft()
+        if below is not None:
+            new = {layer: (k[..., :below - position, :], v[..., :below - position, :])
+                   for layer, (k, v) in new.items()}
         if keeper:
             self.ring.send(gathered.new_kv_key(self.req.request_id, position), gathered.pack_new(new),
                            to=keeper)
 
     def keep_new(self, position: int, new: gathered.NewKV) -> None:
         kv = self.held.kv
-        kv.begin_append(np.array([position]))
+        kv.begin_append(np.arange(position, position + next(iter(new.values()))[0].shape[2]))
         for layer, (k, v) in sorted(new.items()):
             kv.append(layer, k, v)
         kv.commit()

@@ -32,6 +32,7 @@ from cpchat.rank.model_load import ModelShape, load_model
 from cpchat.rank.prefix_cache import CacheMiss, Found
 from cpchat.rank.prefix_keeper import PrefixKeeper
 from cpchat.rank.prefix_shard import restore
+from cpchat.rank.speculation import Speculation
 from cpchat.rank.stages import Handoff, StagePlace, context_ring
 from cpchat.rank.statestore import StateStore
 from cpchat.rank.transport.ring import Ring
@@ -69,6 +70,7 @@ class Engine:
         # The last token sampled and not yet read (the ring's next position): mlx-lm reads it alone.
         self.unread: tuple[int, int] | None = None
         self.stage_waits: list[float] = []  # seconds this request's prefill waited for the stage before
+        self.speculated = (0, 0, 0)  # the last answer's proposed and accepted tokens, and its decode steps
 
     def load(self, path: str, kv_format: KVFormat = FULL_PRECISION, free_bytes: int = 0,
              place: Callable[[int], StagePlace] | None = None) -> ModelShape:
@@ -319,8 +321,12 @@ class Engine:
                                                          linear_layers=self.linear_summary(ring.size),
                                                          state_combine_ms=combine_ms,
                                                          stage_wait_ms=1000 * sum(self.stage_waits))))
-            with answer.threads():
-                token = answer.run(emit, first, stop, quantize_by)
+            speculation = Speculation(answer, quantize_at) if req.speculation else None
+            try:
+                with answer.threads():
+                    token = (speculation or answer).run(emit, first, stop, quantize_by)
+            finally:
+                self.speculated = speculation.counts if speculation else (0, 0, 0)
             if self.slides:
                 self._forget_outside_windows(prompt_end, rollback_to=prompt_end)
                 self.keep_floor = prompt_end

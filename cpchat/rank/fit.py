@@ -236,23 +236,24 @@ def _inner_name(model: nn.Module) -> str:
 
 
 class _OneRow:
-    """Stands in for the inner model: runs it, and hands the head one flattened row."""
+    """Stands in for the inner model: runs it, and hands the head one flattened row (or a slice of them)."""
 
-    def __init__(self, inner: nn.Module, row: int) -> None:
-        self.inner, self.row = inner, row
+    def __init__(self, inner: nn.Module, row: int | slice) -> None:
+        self.inner, self.rows = inner, row if isinstance(row, slice) else slice(row, row + 1)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)  # the head may read it (tied embeddings)
 
     def __call__(self, *args, **kwargs) -> mx.array:
         hidden = self.inner(*args, **kwargs)
-        return hidden.reshape(-1, hidden.shape[-1])[self.row][None, None]
+        return hidden.reshape(-1, hidden.shape[-1])[self.rows][None]
 
 
 @contextlib.contextmanager
-def head_on_row(model: nn.Module, row: int):
-    """Within this block, `model(ids, cache=...)` returns logits [1, 1, vocab] for one flattened row:
-    the inner model is shadowed by an instance attribute (MLX keeps child modules as dict items)."""
+def head_on_row(model: nn.Module, row: int | slice):
+    """Within this block, `model(ids, cache=...)` returns logits [1, n, vocab] for one flattened row (or
+    the n of a slice): the inner model is shadowed by an instance attribute (MLX keeps child modules as
+    dict items)."""
     name = _inner_name(model)
     object.__setattr__(model, name, _OneRow(model[name], row))
     try:

@@ -18,10 +18,11 @@ from cpchat.rank.statestore import StateStore
 from cpchat.rank.transport.ring import Mailbox, Ring
 
 
-def run_model(model, ring_pass: RingPass, ids: mx.array, row: int, evaluate: bool = True,
+def run_model(model, ring_pass: RingPass, ids: mx.array, row: int | slice, evaluate: bool = True,
               handoff: Handoff | None = None) -> mx.array | None:
     """The model's own __call__ (so its output path — softcapping, logit scaling — runs as in
-    mlx-lm) over this rank's rows, with the head applied to one flattened row only; evaluated, or
+    mlx-lm) over this rank's rows, with the head applied to one flattened row only (logits [vocab]),
+    or to a slice of them (a speculative block: [n, vocab]); evaluated, or
     left a graph for the caller to evaluate. A pipeline stage but the last hands its hidden states
     on (`handoff`) and returns None."""
     caches = [StateCache(ring_pass, i) if i in ring_pass.linear else ShardCache(ring_pass, i)
@@ -36,7 +37,9 @@ def run_model(model, ring_pass: RingPass, ids: mx.array, row: int, evaluate: boo
         mx.eval(logits)
     if ring_pass.store:
         ring_pass.kv.commit(evaluate)
-    return None if logits is None else logits[0, 0]
+    if logits is None:
+        return None
+    return logits[0] if isinstance(row, slice) else logits[0, 0]
 
 
 def probe_forward(model, vocab_size: int, chunk: int = 3) -> fit.ProbeResult:

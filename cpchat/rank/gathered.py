@@ -25,7 +25,7 @@ from cpchat.rank.kvstore import KVShard
 from cpchat.rank.transport.ring import Ring
 from cpchat.rank.transport.wire import BlockKey
 
-NewKV = dict[int, tuple[mx.array, mx.array]]  # layer: the new token's keys and values [1, Hkv, 1, D]
+NewKV = dict[int, tuple[mx.array, mx.array]]  # layer: a step's new keys and values [1, Hkv, n, D]
 
 
 def shard_key(request_id: str, layer: int) -> BlockKey:
@@ -110,20 +110,22 @@ def _as_held(block: Block, kv: KVShard) -> Block:
 
 def pack_new(new: NewKV) -> list[mx.array]:
     """A step's new keys and values, every layer's, as one flat tensor and their layout (a block may
-    carry only a few tensors): per layer its index, then the keys' and the values' heads and sizes."""
+    carry only a few tensors): per layer its index, the tokens, then the keys' and the values' heads
+    and sizes."""
     layers = sorted(new)
     flat = mx.concatenate([a.reshape(-1) for layer in layers for a in new[layer]])
-    layout = [[layer, *new[layer][0].shape[1::2], *new[layer][1].shape[1::2]] for layer in layers]
+    layout = [[layer, new[layer][0].shape[2], *new[layer][0].shape[1::2], *new[layer][1].shape[1::2]]
+              for layer in layers]
     return [flat, mx.array(np.array(layout, np.int32).reshape(-1))]
 
 
 def unpack_new(arrays: list[mx.array]) -> NewKV:
     flat, layout = arrays
     new, start = {}, 0
-    for layer, k_heads, k_dim, v_heads, v_dim in np.asarray(layout).reshape(-1, 5).tolist():
-        k = flat[start : start + k_heads * k_dim].reshape(1, k_heads, 1, k_dim)
-        start += k_heads * k_dim
-        v = flat[start : start + v_heads * v_dim].reshape(1, v_heads, 1, v_dim)
-        start += v_heads * v_dim
+    for layer, tokens, k_heads, k_dim, v_heads, v_dim in np.asarray(layout).reshape(-1, 6).tolist():
+        k = flat[start : start + k_heads * tokens * k_dim].reshape(1, k_heads, tokens, k_dim)
+        start += k_heads * tokens * k_dim
+        v = flat[start : start + v_heads * tokens * v_dim].reshape(1, v_heads, tokens, v_dim)
+        start += v_heads * tokens * v_dim
         new[layer] = (k, v)
     return new

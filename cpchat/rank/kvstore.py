@@ -158,8 +158,9 @@ class KVShard:
         self._keep(layer, ~drop)
 
     def _keep(self, layer: int, keep: np.ndarray) -> None:
+        """Keep the layer's tokens where `keep` is true: dropping a tail (a roll back) copies nothing."""
         n = len(self._layer_positions[layer])
-        if self.keys[layer] is not None and not keep.all():
+        if self.keys[layer] is not None and not keep[:int(keep.sum())].all():
             index = mx.array(np.flatnonzero(keep))
             self.keys[layer] = take(_head(self.keys[layer], n), index, axis=2)
             self.values[layer] = take(_head(self.values[layer], n), index, axis=2)

@@ -225,7 +225,7 @@ def halo_rows(rp: RingPass, layer: int, x: mx.array, halo: int) -> tuple[mx.arra
     rows, length, dim = x.shape
     if rp.decoding:
         ext = mx.concatenate([stored.halo, x], axis=1)
-        real = np.concatenate([stored.halo_real, [True]])
+        real = np.concatenate([stored.halo_real, np.ones(length, bool)])
         rp.states.set(layer, halo=ext[:, ext.shape[1] - halo:], halo_real=real[len(real) - halo:])
         return ext, mx.array(real[None])
     timing = rp.step_timing(layer, HALO_STEP)

@@ -171,6 +171,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             cached_tokens=self.s.engine.total_tokens, cancelled=cancelled,
             keep_floor=self.s.engine.keep_floor, state_bytes=self.s.engine.states.nbytes,
             state_positions=self.s.engine.state_positions,
+            proposed=self.s.engine.speculated[0], accepted=self.s.engine.speculated[1],
+            decode_steps=self.s.engine.speculated[2],
         )
 
     def Cancel(self, request, context):

@@ -1,4 +1,4 @@
-"""The Throughput panel: time to first token, prefill and decode rates, context used."""
+"""The Throughput panel: time to first token, prefill and decode rates, speculation, context used."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from cpchat.client.events import Done, Prefill
+from cpchat.client.events import Done, Prefill, Speculated
 from cpchat.tui.format import bar, human_count
 from cpchat.tui.widgets.answer import Pace
 
@@ -24,6 +24,7 @@ class ThroughputPanel(Widget):
     ttft_ms: reactive[float | None] = reactive(None)
     prefill_tps: reactive[float | None] = reactive(None)
     decode_tps: reactive[float | None] = reactive(None)
+    speculation: reactive[Speculated | None] = reactive(None)
     context_used: reactive[int] = reactive(0)
     context_max: reactive[int] = reactive(0)
 
@@ -50,10 +51,11 @@ class ThroughputPanel(Widget):
         if done.decode_tokens_per_s:
             self.decode_tps = done.decode_tokens_per_s
         self.context_used = sum(r.kv_tokens for r in done.ranks)
+        self.speculation = done.speculation if done.speculation.steps else None
 
     def clear(self) -> None:
         """A new conversation: no rates until its first turn."""
-        self.ttft_ms = self.prefill_tps = self.decode_tps = None
+        self.ttft_ms = self.prefill_tps = self.decode_tps = self.speculation = None
 
     def render(self) -> Table:
         def num(value: float | None, unit: str, digits: int = 1) -> str:
@@ -65,6 +67,9 @@ class ThroughputPanel(Widget):
         table.add_row("TTFT", num(self.ttft_ms, "ms"))
         table.add_row("prefill", num(self.prefill_tps, "tok/s", 0))
         table.add_row("decode", num(self.decode_tps, "tok/s"))
+        if (s := self.speculation) is not None:  # tokens a step: what each step gives, one without proposals
+            taken = f"{s.accepted / s.proposed:.0%} taken" if s.proposed else "none proposed"
+            table.add_row(s.mode, f"{(s.steps + s.accepted) / s.steps:.1f} tok/step, {taken}")
         fraction = self.context_used / self.context_max if self.context_max else 0.0
         context = Text(bar(fraction, 10), style="magenta")
         limit = human_count(self.context_max) if self.context_max else "—"

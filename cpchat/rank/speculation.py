@@ -1,0 +1,125 @@
+"""Speculative decoding on a rank: each step checks the last token and up to k proposed ones
+(cpchat.core.lookup) as one causal block through every layer, then keeps the longest prefix the model
+itself would have produced, as mlx-lm's speculative generation does: the model is sampled at each
+position (the seed of each answer position, as without proposals) and a proposal stays while it
+equals the sample. Greedy answers and the sampling distribution are those of one token a step.
+
+Every rank holds the conversation's token ids (cpchat.rank.prefix_keeper), so every rank makes the
+same proposals itself: only the sampling rank's decision crosses the ring, one frame a step as
+without proposals. Whatever the model did not keep is rolled back on every rank: K/V (a linear
+layer's state is restored from before the block and the kept tokens run again)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+
+from cpchat.core.lookup import DraftLength, propose
+from cpchat.protocol import cpchat_pb2 as pb
+from cpchat.rank.sampling import sample, token_event
+from cpchat.rank.transport.ring import Aborted
+from cpchat.rank.transport.wire import BlockKey
+
+if TYPE_CHECKING:
+    from cpchat.rank.decode_loop import DecodeLoop
+
+
+class Speculation:
+    """One answer's speculative decode on this rank, over `loop`'s steps; `quantize_at` the position
+    from which the K/V turn quantized (a block never spans it: mlx-lm quantizes before a step)."""
+
+    def __init__(self, loop: DecodeLoop, quantize_at: int | None) -> None:
+        self.loop, self.quantize_at = loop, quantize_at
+        self.length = DraftLength(fixed=loop.req.draft_tokens)
+        self.steps = 0
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        """Tokens proposed and accepted so far, and the steps that checked them."""
+        return self.length.proposed, self.length.accepted, self.steps
+
+    def run(self, emit: Callable[[pb.GenerateEvent], None], first: pb.TokenEvent, stop: set[int],
+            quantize_by: Callable[[int], None]) -> int:
+        """Emit the first token and decode the rest; the last token (emitted, or the stop token)."""
+        loop, req = self.loop, self.loop.req
+        held = loop.held
+        last, index = first, 0  # the latest token decided (not yet read into the K/V), its answer index
+        if last.id in stop:
+            return last.id
+        emit(pb.GenerateEvent(token=last))
+        while index + 1 < req.max_tokens:
+            if loop.abort.is_set():
+                raise Aborted(req.request_id)
+            start = held.total_tokens
+            block = [last.id, *self.proposals(last.id, index, start)]
+            quantize_by(start)
+            states = dict(held.states.layers)
+            logits = loop.step(block)
+            self.steps += 1
+            decided = self.decide(block, logits, index + 1)
+            taken = 0  # of `decided`, the tokens this answer takes (the last may be a stop token)
+            for event in decided:
+                taken, index, last = taken + 1, index + 1, event
+                if event.id in stop:
+                    break
+                emit(pb.GenerateEvent(token=event))
+                if index + 1 >= req.max_tokens:
+                    break
+            self.length.record(len(block) - 1, len(decided) - 1)
+            self.roll_back(block, start, taken, states)
+            if last.id in stop:
+                break
+        loop.hand_back()
+        return last.id
+
+    def proposals(self, last: int, index: int, start: int) -> list[int]:
+        """What follows `last` (answer token `index`, at position `start`) in the conversation so far:
+        no more than the answer can still take, nor across the point where the K/V turn quantized."""
+        k = min(self.length.next(), self.loop.req.max_tokens - index - 2)
+        if self.quantize_at is not None and start < self.quantize_at:
+            k = min(k, self.quantize_at - start - 1)
+        if k < 1:
+            return []
+        return propose(np.append(self.loop.held.prefix.tokens, np.uint32(last)), k).tolist()
+
+    def decide(self, block: list[int], logits: mx.array | None, index: int) -> list[pb.TokenEvent]:
+        """The sampling rank samples every position of the block (answer tokens `index` on) and keeps
+        the samples up to the first that differs from the proposal it checks, that one included; it
+        sends them to every other rank."""
+        loop = self.loop
+        key = BlockKey(loop.req.request_id, 0, index, pb.TOKEN)
+        if loop.world.rank == loop.sampler:
+            samples = [sample(logits[i], loop.req.sampling, index + i) for i in range(len(block))]
+            mx.eval(samples)
+            tokens = [int(s[0].item()) for s in samples]
+            kept = next((i for i in range(1, len(block)) if tokens[i - 1] != block[i]), len(block))
+            arrays = [mx.concatenate([s[field].reshape(1, -1) for s in samples[:kept]])
+                      for field in range(len(samples[0]))]
+            if loop.world.size > 1:
+                loop.world.send_all(key, arrays, loop.world.peers)
+        else:
+            arrays, _ = loop.world.take(key, loop.abort, loop.sampler)
+        return [token_event([a[i] for a in arrays]) for i in range(arrays[0].shape[0])]
+
+    def roll_back(self, block: list[int], start: int, taken: int, states: dict) -> None:
+        """Keep the block's first `taken` tokens (those before the last token decided) in the K/V and
+        the linear layers' states, and hand a gather step's kept K/V on."""
+        loop = self.loop
+        held, keep = loop.held, start + taken
+        if keep < start + len(block):
+            held.kv.truncate(keep)
+            if loop.gathered is not None:
+                loop.gathered.new.truncate(keep)
+            held.total_tokens = keep
+            if held.info.linear:  # states cannot be cut back: from before the block, the kept tokens again
+                held.states.layers = states
+                held.kv.truncate(start)
+                held.total_tokens = start
+                loop.step(block[:taken])
+        if loop.handing:
+            loop.hand_on_kv(keep)
+        for token in block[:taken]:
+            held.prefix.read_token(token)

@@ -1,0 +1,104 @@
+"""Speculative decoding (--speculate lookup): each decode step checks the last token and tokens proposed
+from the conversation itself as one causal block on every rank, and keeps those the model samples. The
+answers are mlx-lm's own generation without speculation: greedy tokens identical and logprobs within
+1e-3 (float32), for N = 1..4, every decode step, quantized K/V, a hybrid and a sliding-window model;
+sampled answers are those of one token a step, seed for seed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import DEMO_MODEL
+from helpers import assert_same, done_event, next_turn, question_ids, random_prompt, raw_session
+from references import reference_generate, reference_tokenizer
+
+from cpchat.core.lookup import MAX_DRAFT, DraftLength, propose
+
+MAX_TOKENS = 24
+
+
+def test_proposals_follow_the_latest_longest_earlier_match():
+    t = np.array
+    # "7 8" occurred twice before; the latest occurrence is followed by 4 5 6
+    assert propose(t([7, 8, 1, 2, 7, 8, 4, 5, 6, 9, 7, 8]), 3).tolist() == [4, 5, 6]
+    # the longest match wins over a later, shorter one: "3 7 8" is followed by 1
+    assert propose(t([3, 7, 8, 1, 2, 7, 8, 4, 5, 3, 7, 8]), 2).tolist() == [1, 2]
+    # a match near the end goes on as the repeat it is (an overlapping copy)
+    assert propose(t([5, 6, 9, 5, 6]), 7).tolist() == [9, 5, 6, 9, 5, 6, 9]
+    assert propose(t([5, 6, 9, 5, 6]), 1).tolist() == [9]
+    assert propose(t([1, 4, 4, 4]), 3).tolist() == [4, 4, 4]
+    # one matching token is not enough, and nothing repeats here
+    assert propose(t([1, 2, 3, 9, 3]), 4).tolist() == []
+    assert propose(t([1, 2, 3, 4]), 4).tolist() == [] and propose(t([1, 1]), 4).tolist() == []
+
+
+def test_the_draft_grows_while_accepted_shrinks_when_not_and_stops_when_useless():
+    d = DraftLength()
+    assert d.next() == 4
+    d.record(4, 4)
+    assert d.next() == 8
+    d.record(8, 8)
+    d.record(16, 16)
+    assert d.next() == MAX_DRAFT
+    d.record(16, 2)
+    assert d.next() == 3
+    d.record(3, 0)
+    assert d.next() == 1
+    useless = DraftLength()
+    for _ in range(DraftLength.OFF_AFTER):
+        useless.record(1, 0)
+    assert useless.next() == 0
+    assert DraftLength(fixed=5).next() == 5
+
+
+def answer(cluster, path, ids, decode="auto", draft_tokens=0, max_tokens=MAX_TOKENS, speculate="lookup",
+           temperature=0.0, seed=0):
+    session = raw_session(cluster, path, "auto", max_tokens)
+    session.speculate, session.draft_tokens = speculate, draft_tokens
+    session.planner.decode = decode
+    session.sampling.temperature, session.sampling.seed = temperature, seed
+    got, events = next_turn(session, ids)
+    return got, done_event(events)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_quoting_answers_accept_proposals_and_stay_mlx_lm_s(clusters, ranks):
+    """The demo model answers a question about its document by quoting it: proposals are accepted,
+    several tokens a step, and rejected where the document put the fact in other words; the answer's
+    end-of-sequence token comes inside a block; every decode step of N ranks gives mlx-lm's answer."""
+    ids, _ = question_ids(DEMO_MODEL, seed=3)
+    expected = reference_generate(DEMO_MODEL, ids, MAX_TOKENS)
+    assert len(expected) < MAX_TOKENS and expected[-1][0] in reference_tokenizer(DEMO_MODEL).eos_token_ids
+    expected = expected[:-1]  # cpchat does not emit the end-of-sequence token
+    cluster = clusters.get(ranks, DEMO_MODEL)
+    for decode in ("exchange", "ring", "lead", "gather") if ranks > 1 else ("exchange",):
+        cluster.reset(0)
+        got, done = answer(cluster, DEMO_MODEL, ids, decode)
+        speculated = done.speculation
+        assert_same(got, expected)
+        assert speculated.mode == "lookup"
+        assert speculated.proposed > speculated.accepted > 0, (decode, speculated)
+        assert speculated.steps < len(got) - 1  # more than one token a step
+        assert {s.algorithm for s in cluster.stats_once()} <= {f"decode_{decode}"}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_the_shards_keep_only_the_answer(clusters, model_dir, ranks):
+    """A random model's answer to a prompt that repeats itself, eight tokens proposed a step: mlx-lm's
+    answer, and the shards hold the prompt and the answer but its last token, whatever was proposed;
+    likewise for an answer that max tokens cuts inside a block."""
+    path = model_dir("llama")
+    phrase = random_prompt(path, 12, seed=5)
+    ids = phrase + random_prompt(path, 5, seed=6) + phrase[:4]
+    expected = reference_generate(path, ids, MAX_TOKENS)
+    cluster = clusters.get(ranks, path)
+    for decode in ("exchange", "gather") if ranks > 1 else ("exchange",):
+        cluster.reset(0)
+        got, done = answer(cluster, path, ids, decode, draft_tokens=8)
+        assert_same(got, expected)
+        assert done.speculation.proposed >= 8, done.speculation
+        assert sum(r.kv_tokens for r in done.ranks) == len(ids) + MAX_TOKENS - 1  # no rejected token kept
+        cluster.reset(0)
+        got, done = answer(cluster, path, ids, decode, draft_tokens=8, max_tokens=6)
+        assert_same(got, expected[:6])
+        assert sum(r.kv_tokens for r in done.ranks) == len(ids) + 5
