@@ -9,10 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import DEMO_MODEL
-from helpers import assert_same, done_event, next_turn, question_ids, random_prompt, raw_session
-from references import reference_generate, reference_tokenizer
+from helpers import VARIANTS, assert_same, done_event, next_turn, question_ids, random_prompt, raw_session
+from references import MlxReference, reference_generate, reference_tokenizer
 
 from cpchat.core.lookup import MAX_DRAFT, DraftLength, propose
+from cpchat.core.quantized_kv import KVFormat
+from cpchat.core.stages import Stages
+from cpchat.smallmodels import write_model
 
 MAX_TOKENS = 24
 
@@ -102,3 +105,50 @@ def test_the_shards_keep_only_the_answer(clusters, model_dir, ranks):
         got, done = answer(cluster, path, ids, decode, draft_tokens=8, max_tokens=6)
         assert_same(got, expected[:6])
         assert sum(r.kv_tokens for r in done.ranks) == len(ids) + 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_kv_from_inside_the_answer(clusters, bits):
+    """--kv-bits with the K/V turning quantized three tokens into the answer: no block spans that
+    point (mlx-lm quantizes before a step), and the answer is mlx-lm's with the same kv_bits."""
+    ids, _ = question_ids(DEMO_MODEL, seed=3)
+    kv = KVFormat(bits, 32, len(ids) + 3)
+    reference = MlxReference(DEMO_MODEL, kv)
+    try:
+        expected, _ = reference(ids, MAX_TOKENS)
+    finally:
+        reference.close()
+    expected = [p for p in expected if p[0] not in reference_tokenizer(DEMO_MODEL).eos_token_ids]
+    for ranks in (1, 2):
+        got, done = answer(clusters.get(ranks, DEMO_MODEL, kv=kv), DEMO_MODEL, ids)
+        assert_same(got, expected)
+        assert done.speculation.accepted > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, ranks, stages, seed", [("qwen3_next", 2, 1, 13), ("nemotron_h", 3, 1, 1),
+                                                          ("mistral-sliding", 2, 1, 5), ("llama", 4, 2, 1)])
+def test_hybrids_windows_and_stages(clusters, model_dir, tmp_path_factory, variant, ranks, stages, seed):
+    """Linear layers (their states restored from before a block and the kept tokens run again), sliding
+    windows of 8 (blocks that reach past a window), and two pipeline stages of two context ranks: a
+    prompt, then the same prompt again, whose answer repeats much of the first (a random model follows
+    its last tokens; the seeds are prompts where it does): mlx-lm's answers, proposals made and kept."""
+    arch, options = VARIANTS[variant]
+    path = model_dir(arch) if not options else write_model(tmp_path_factory.mktemp(variant) / arch, arch,
+                                                           **options)
+    cluster = clusters.get(ranks, path, stages=Stages(stages))
+    cluster.reset(0)
+    session = raw_session(cluster, path, "auto", MAX_TOKENS)
+    session.speculate = "lookup"
+    history: list[int] = []
+    proposed = accepted = 0
+    phrase = random_prompt(path, 10, seed=seed)
+    for new in (phrase, phrase):
+        got, events = next_turn(session, new)
+        history += new
+        assert_same(got, reference_generate(path, history, MAX_TOKENS))
+        history += [t for t, _ in got]
+        proposed += done_event(events).speculation.proposed
+        accepted += done_event(events).speculation.accepted
+    assert accepted > 0 and proposed > 0
