@@ -12,6 +12,7 @@ from conftest import DEMO_MODEL
 from helpers import VARIANTS, assert_same, done_event, next_turn, question_ids, random_prompt, raw_session
 from references import MlxReference, reference_generate, reference_tokenizer
 
+from cpchat.client.events import Token
 from cpchat.core.lookup import MAX_DRAFT, DraftLength, propose
 from cpchat.core.quantized_kv import KVFormat
 from cpchat.core.stages import Stages
@@ -152,3 +153,46 @@ def test_hybrids_windows_and_stages(clusters, model_dir, tmp_path_factory, varia
         proposed += done_event(events).speculation.proposed
         accepted += done_event(events).speculation.accepted
     assert accepted > 0 and proposed > 0
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sampled_answers_are_those_of_one_token_a_step(clusters, ranks):
+    """At temperature 0.8 each answer position draws from its own seed, as without proposals, and a
+    proposal stays only where the model's draw equals it: for each seed the answer is the one sampled
+    a token a step (a rule that kept a likely proposal the model did not draw, or drew again after a
+    rejection, gives other answers for some seeds), and the seeds give different answers. The prompt
+    is random tokens and their first eight again: the demo model copies on, not always alike."""
+    phrase = random_prompt(DEMO_MODEL, 40, seed=8)
+    ids = phrase + phrase[:8]
+    cluster = clusters.get(ranks, DEMO_MODEL)
+    answers, accepted = set(), 0
+    for seed in range(12):
+        kw = {"temperature": 0.8, "seed": seed, "draft_tokens": 4}
+        plain, _ = answer(cluster, DEMO_MODEL, ids, speculate="off", **kw)
+        got, done = answer(cluster, DEMO_MODEL, ids, **kw)
+        assert_same(got, plain)
+        answers.add(tuple(t for t, _ in got))
+        accepted += done.speculation.accepted
+    assert len(answers) >= 3 and accepted > 0
+
+
+def test_a_cancelled_answer_leaves_the_ring_exact(clusters, model_dir):
+    """Esc during an answer of blocks: the answer stops, and the next turn is mlx-lm's answer to the
+    conversation as the ring holds it."""
+    path = model_dir("llama")
+    cluster = clusters.get(2, path)
+    cluster.reset(0)
+    session = raw_session(cluster, path, "auto", 200)
+    session.speculate, session.draft_tokens = "lookup", 8
+    phrase = random_prompt(path, 10, seed=28)
+    tokens = 0
+    for event in session.generate(phrase):
+        if isinstance(event, Token):
+            tokens += 1
+            if tokens == 3:
+                session.cancel()
+    assert 3 <= tokens < 200 and session.held == []  # the cancelled turn is dropped whole
+    before, new = list(session.raw_history), random_prompt(path, 7, seed=29)
+    session.sampling.max_tokens = MAX_TOKENS
+    got, _ = next_turn(session, new)
+    assert_same(got, reference_generate(path, before + new, MAX_TOKENS))
