@@ -270,6 +270,22 @@ def children_of(pid: int) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.slow
+def test_a_rank_killed_during_a_speculative_step_is_named_within_5_s(ring3, deep_model):
+    """Eight tokens proposed a step (the prompt repeats itself, so every step checks a block): a rank
+    killed mid-answer is named, and the two left answer exactly."""
+    ranks, cluster, _ = ring3
+    phrase = random_prompt(deep_model, 20, seed=4)
+    request = GenerationRequest(phrase * 3, max_tokens=300, algorithm="pass_kv", speculation="lookup",
+                                draft_tokens=8)
+    err, detected = killed_on(cluster, request, TokenOut, ranks[2])
+    print(f"\nSIGKILL mid-speculation detected in {detected:.2f} s: {err}")
+    assert detected < DETECT_S
+    assert f"rank 2 ({ranks[2].address}) stopped answering during decode" in err
+    assert gone(ranks[2])
+    answers_exactly([r.address for r in ranks[:2]], deep_model, seed=6)
+
+
 def decodes_for_a_while(model: Path) -> None:
     """The prompt's greedy answer runs well past the first token (no early end of sequence)."""
     tokenizer = reference_tokenizer(model)

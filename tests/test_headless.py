@@ -63,6 +63,27 @@ def test_json_events_match_mlx_lm(model_dir):
     assert done["ttft_ms"] > 0 and [r["rank"] for r in done["ranks"]] == [0, 1]
     assert sum(r["kv_tokens"] for r in done["ranks"]) == len(ids) + len(tokens) - 1
     assert all(r["kv_bytes"] > 0 and r["rss_bytes"] > 0 for r in done["ranks"])
+    assert done["speculation"]["mode"] == "lookup"  # the default: auto
+
+
+@pytest.mark.slow
+def test_speculation_says_what_it_did_and_changes_no_answer():
+    """The demo model quotes the sample document: with lookup proposals (the default) the answer is the
+    one made a token a step, in fewer steps; `done` says how many tokens were proposed and taken.
+    Values the flags do not take are refused in one line."""
+    base = ["--headless", "--json", "--ranks", "2", "--doc", str(SAMPLE_DOC), "--prompt",
+            "What is the access code for the Orion vault?"]
+    runs = {mode: events(run(base + ["--speculate", mode]).stdout) for mode in ("off", "lookup")}
+    texts = {mode: "".join(e["text"] for e in evs if e["event"] == "token") for mode, evs in runs.items()}
+    assert texts["off"] == texts["lookup"] == "The access code for the Orion vault is 4812-KX."
+    off, lookup = (next(e for e in runs[m] if e["event"] == "done")["speculation"] for m in ("off", "lookup"))
+    assert off == {"mode": "off", "proposed": 0, "accepted": 0, "steps": 0}
+    assert lookup["mode"] == "lookup" and lookup["proposed"] >= lookup["accepted"] > 0
+    generated = next(e for e in runs["lookup"] if e["event"] == "done")["generated_tokens"]
+    assert lookup["steps"] < generated - 1
+    for flags, words in ((["--speculate", "draft:tiny"], "draft models are not supported yet"),
+                         (["--draft-tokens", "99"], "is not 1 to 16")):
+        one_line_error(run(base + flags), 2, words)
 
 
 @pytest.mark.slow
