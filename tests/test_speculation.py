@@ -21,37 +21,36 @@ from cpchat.smallmodels import write_model
 MAX_TOKENS = 24
 
 
-def test_proposals_follow_the_latest_longest_earlier_match():
+def test_proposals_follow_the_longest_earlier_match_and_its_most_common_continuation():
     t = np.array
-    # "7 8" occurred twice before; the latest occurrence is followed by 4 5 6
+    # "7 8" occurred twice before, each time followed by something else: the latest wins the tie
     assert propose(t([7, 8, 1, 2, 7, 8, 4, 5, 6, 9, 7, 8]), 3).tolist() == [4, 5, 6]
     # the longest match wins over a later, shorter one: "3 7 8" is followed by 1
     assert propose(t([3, 7, 8, 1, 2, 7, 8, 4, 5, 3, 7, 8]), 2).tolist() == [1, 2]
+    # "5 1" came three times, followed by 9, 9 and 4: the most common continuation, its latest occurrence
+    assert propose(t([5, 1, 9, 5, 1, 9, 5, 1, 4, 5, 1]), 1).tolist() == [9]
     # a match near the end goes on as the repeat it is (an overlapping copy)
     assert propose(t([5, 6, 9, 5, 6]), 7).tolist() == [9, 5, 6, 9, 5, 6, 9]
-    assert propose(t([5, 6, 9, 5, 6]), 1).tolist() == [9]
-    assert propose(t([1, 4, 4, 4]), 3).tolist() == [4, 4, 4]
-    # one matching token is not enough, and nothing repeats here
-    assert propose(t([1, 2, 3, 9, 3]), 4).tolist() == []
-    assert propose(t([1, 2, 3, 4]), 4).tolist() == [] and propose(t([1, 1]), 4).tolist() == []
+    assert propose(t([1, 2, 3, 9, 3]), 4).tolist() == [9, 3, 9, 3]
+    # nothing occurred before, or no room
+    assert propose(t([1, 2, 3, 4]), 4).tolist() == [] and propose(t([1]), 4).tolist() == []
+    assert propose(t([1, 2, 1]), 0).tolist() == []
 
 
-def test_the_draft_grows_while_accepted_shrinks_when_not_and_stops_when_useless():
+def test_the_draft_length_follows_what_holds_and_what_a_step_costs():
     d = DraftLength()
-    assert d.next() == 4
-    d.record(4, 4)
-    assert d.next() == 8
-    d.record(8, 8)
-    d.record(16, 16)
+    assert d.next() == 3  # a = 1/2, 5 % a token: (1 + a + a^2 + a^3) / 1.15 is the most
+    for _ in range(4):
+        d.record(d.next(), d.next())  # every proposal held
     assert d.next() == MAX_DRAFT
-    d.record(16, 2)
-    assert d.next() == 3
-    d.record(3, 0)
-    assert d.next() == 1
-    useless = DraftLength()
-    for _ in range(DraftLength.OFF_AFTER):
-        useless.record(1, 0)
-    assert useless.next() == 0
+    for _ in range(15):
+        d.score(1, 0)  # and then none: one in twenty would hold, not worth 5 % a token
+    assert d.next() == 0
+    d = DraftLength()
+    d.record(0, 0, seconds=0.1)  # a plain step
+    d.record(4, 4, seconds=0.14)  # four proposals checked: 10 % a token
+    assert d.cost == pytest.approx(0.8 * 0.05 + 0.2 * 0.1)
+    assert (d.proposed, d.accepted) == (4, 4)
     assert DraftLength(fixed=5).next() == 5
 
 

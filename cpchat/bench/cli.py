@@ -2,7 +2,8 @@
 contexts for N ranks next to mlx-lm and the ring transport next to mx.distributed (compare_mlx_lm.py),
 the prefill algorithms side by side (--algorithms: compare_algorithms.py), a second session's TTFT with
 the first one's prefix loaded from disk (--prefix-cache: prefix_cache.py), a prefill with one rank
-slowed under each --shares mode (shares.py), or partial_attention next to
+slowed under each --shares mode (shares.py), decode with speculative decoding and without (--speculate:
+speculation.py), or partial_attention next to
 the fused kernel (--attention: attention.py); each writes a Markdown table, the JSON and a chart.
 """
 
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 from cpchat import blas
-from cpchat.bench import compare_algorithms, compare_mlx_lm, prefix_cache, shares
+from cpchat.bench import compare_algorithms, compare_mlx_lm, prefix_cache, shares, speculation
 from cpchat.bench.models import ARCHS
 from cpchat.bench.report import command_line
 from cpchat.client.cluster import TRANSPORTS
@@ -34,8 +35,9 @@ and prompt, so a noisy machine shifts both sides alike.
 
 # Defaults that depend on the mode: the prefix cache pays off on long documents, and each of its
 # repeats is three sessions on fresh ranks.
-DEFAULTS = {"contexts": "1024,2048,4096,8192,16384", "ranks": "1,2,4", "repeats": 3}
-PREFIX_CACHE_DEFAULTS = {"contexts": "8192,32768", "ranks": "2,4", "repeats": 1}
+DEFAULTS = {"contexts": "1024,2048,4096,8192,16384", "ranks": "1,2,4", "repeats": 3, "decode": 16}
+PREFIX_CACHE_DEFAULTS = {"contexts": "8192,32768", "ranks": "2,4", "repeats": 1, "decode": 16}
+SPECULATE_DEFAULTS = {"contexts": "4096,16384", "ranks": "1,2", "repeats": 3, "decode": 128}
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cpchat bench", description=DESCRIPTION)
@@ -66,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
                         "dtype), 8 and 4 (default 0)")
     p.add_argument("--kv-group-size", type=int, default=64, choices=GROUP_SIZES)
     p.add_argument("--quantized-kv-start", type=int, default=QUANTIZED_KV_START, metavar="S")
-    p.add_argument("--decode", type=int, default=16, help="tokens to generate per run")
+    p.add_argument("--decode", type=int, help="tokens to generate per run (default 16; with --speculate 128)")
     p.add_argument("--repeats", type=int,
                    help=f"runs of each measurement: TTFT keeps the best, the transport rows the median "
                         f"(default {DEFAULTS['repeats']}; with --prefix-cache "
@@ -104,6 +106,13 @@ def parser() -> argparse.ArgumentParser:
                    help="time a second session on new ranks that loads the first one's saved prefix from "
                         "disk, against the first; the save's cost on the first turn; disk bytes per rank "
                         "(prefix-cache.md)")
+    p.add_argument("--speculate", metavar="LIST",
+                   help="time decode with speculative decoding against without, e.g. off,lookup: a question "
+                        "whose answer quotes the document and one that copies nothing (speculation.md)")
+    p.add_argument("--draft-tokens", type=int, default=0, metavar="K",
+                   help="with --speculate: tokens proposed a step (default: adaptive)")
+    p.add_argument("--link-delay-ms", type=float, default=0.0, metavar="MS",
+                   help="with --speculate: every message between the ranks waits this long (a slow network)")
     out = REPO_ASSETS / "bench" if REPO_ASSETS.is_dir() else Path("cpchat-bench")  # a checkout, or here
     p.add_argument("--out", default=str(out),
                    help="where results.md/.json/.png go (prefix-cache.* with --prefix-cache)")
@@ -117,7 +126,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    for name, value in (PREFIX_CACHE_DEFAULTS if args.prefix_cache else DEFAULTS).items():
+    defaults = DEFAULTS
+    if args.speculate or args.prefix_cache:
+        defaults = SPECULATE_DEFAULTS if args.speculate else PREFIX_CACHE_DEFAULTS
+    for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.quick:
@@ -132,12 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.attention:
         return attention_only(args.attention)
-    if args.algorithms or args.prefix_cache or args.shares:
+    if args.algorithms or args.prefix_cache or args.shares or args.speculate:
         if len(blas_modes) > 1:
-            print("cpchat bench: --algorithms, --shares and --prefix-cache run one BLAS; compare BLAS "
-                  "without them", file=sys.stderr)
+            print("cpchat bench: --algorithms, --shares, --prefix-cache and --speculate run one BLAS; "
+                  "compare BLAS without them", file=sys.stderr)
             return 2
         args.blas_choice = blas_modes[0]
+        if args.speculate:
+            return speculation.run_speculation(args, command_line(argv))
         if args.shares:
             return shares.run_shares(args, command_line(argv))
         if args.prefix_cache:

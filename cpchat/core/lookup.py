@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MIN_MATCH = 2  # a one-token match proposes noise
+MIN_MATCH = 1
 MAX_MATCH = 16
 MAX_DRAFT = 16  # the longest proposal
 SPECULATE = ("off", "lookup", "auto")  # --speculate
@@ -37,35 +37,57 @@ def propose(tokens: np.ndarray, k: int) -> np.ndarray:
         starts, length = agree, length + 1
     if length < MIN_MATCH or not len(starts):
         return tokens[:0]
-    after = int(starts[-1]) + 1
+    following = tokens[starts + 1]  # each occurrence's next token: the most common one goes on
+    values, counts = np.unique(following, return_counts=True)
+    common = values[counts == counts.max()]
+    after = int(starts[np.isin(following, common)][-1]) + 1
     period = end - after  # the match repeats every `period` tokens: it goes on past the end the same way
     return tokens[after + np.arange(k) % period]
 
 
 @dataclass
 class DraftLength:
-    """How many tokens to propose next: `fixed` if set (--draft-tokens), else adaptive — doubled after
-    a block accepted whole, one more than the accepted count after one that was not — and no more
-    for the rest of the answer once OFF_AFTER proposals were made and under OFF_BELOW of them taken
-    (a step that verifies costs more than one that does not)."""
+    """How many tokens to propose next: `fixed` if set (--draft-tokens), else the k that gives the most
+    tokens a second. A step that checks k proposals takes (1 + cost k) times a plain step, and gives
+    1 + a + a^2 + ... + a^k tokens where each proposal holds with probability a; both are measured on
+    the answer's own steps, recent ones weighing most (a quote begins and ends), from a prior of a = 1/2
+    and a cost of 5 % a token. A proposal not sent (k = 0) is still scored against the token the step
+    made, so that the next quote is noticed."""
 
     fixed: int = 0
-    k: int = 4
-    proposed: int = 0
+    held: float = 1.0  # decayed counts: proposals that held, and those that did not
+    missed: float = 1.0
+    cost: float = 0.05  # each proposed token's share of a plain step's time
+    plain_s: float = 0.0  # a plain step's time, decayed mean (0: none seen yet)
+    proposed: int = 0  # this answer's totals
     accepted: int = 0
 
-    OFF_AFTER = 32
-    OFF_BELOW = 0.1
+    DECAY = 0.8
 
     def next(self) -> int:
         if self.fixed:
             return self.fixed
-        if self.proposed >= self.OFF_AFTER and self.accepted < self.OFF_BELOW * self.proposed:
-            return 0
-        return self.k
+        a = self.held / (self.held + self.missed)
+        gain = np.cumsum(a ** np.arange(MAX_DRAFT + 1))  # tokens a step for k = 0 .. MAX_DRAFT
+        return int(np.argmax(gain / (1 + self.cost * np.arange(MAX_DRAFT + 1))))
 
-    def record(self, proposed: int, accepted: int) -> None:
+    def record(self, proposed: int, accepted: int, seconds: float = 0.0) -> None:
+        """A step that checked `proposed` tokens and kept `accepted`, in `seconds` (0: not timed)."""
         self.proposed += proposed
         self.accepted += accepted
-        if proposed:
-            self.k = min(2 * self.k, MAX_DRAFT) if accepted == proposed else max(1, accepted + 1)
+        self.score(proposed, accepted)
+        if seconds <= 0:
+            return
+        if not proposed:
+            self.plain_s = self._mean(self.plain_s, seconds) if self.plain_s else seconds
+        elif self.plain_s:
+            self.cost = self._mean(self.cost, max(seconds / self.plain_s - 1, 0.0) / proposed)
+
+    def _mean(self, mean: float, value: float) -> float:
+        return self.DECAY * mean + (1 - self.DECAY) * value
+
+    def score(self, proposed: int, accepted: int) -> None:
+        """Proposals checked (or, not sent, compared with what came), one observation each up to the
+        first that missed: each observation weighs the earlier ones down by DECAY."""
+        for held in [True] * accepted + [False] * (accepted < proposed):
+            self.held, self.missed = self.DECAY * self.held + held, self.DECAY * self.missed + (not held)

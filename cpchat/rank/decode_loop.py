@@ -99,7 +99,20 @@ class DecodeLoop:
 
     def run(self, emit: Callable[[pb.GenerateEvent], None], first: pb.TokenEvent, stop: set[int],
             quantize_by: Callable[[int], None]) -> int:
-        """Emit the first token and decode the rest; the last token (emitted, or the stop token).
+        """Emit the first token and decode the rest; the last token (emitted, or the stop token)."""
+        if first.id not in stop and self.req.max_tokens:
+            emit(pb.GenerateEvent(token=first))
+            first = self.run_from(emit, first, 0, stop, quantize_by)[0]
+        self.hand_back()
+        return first.id
+
+    def run_from(self, emit: Callable[[pb.GenerateEvent], None], event: pb.TokenEvent, index: int,
+                 stop: set[int], quantize_by: Callable[[int], None],
+                 until: Callable[[int, int], bool] | None = None) -> tuple[pb.TokenEvent, int, bool]:
+        """Decode on from answer token `index` (`event`: emitted, not yet read), a token a step, until the
+        answer ends or `until` says so (told each token read and the one that came of it; a step under
+        way ends first). The last token decided (emitted, or the stop token), its index, and whether
+        the answer ended.
         A rank alone runs as mlx-lm's generate_step does: the step after next is built from the next
         token before that token is known, so building one step overlaps evaluating the other, and a
         step built from what turns out to be a stop token is forgotten; so does rank 0 in gather steps,
@@ -115,19 +128,15 @@ class DecodeLoop:
             mx.async_eval(*pending)
             return pending
 
-        event, ahead = first, None  # ahead: the step that gives token index + 1, under way
-        for index in range(req.max_tokens):
-            token = event.id
-            if token in stop:
-                break
-            emit(pb.GenerateEvent(token=event))
-            if index + 1 >= req.max_tokens:
-                break
+        ahead, stopping = None, False  # ahead: the step that gives token index + 1, under way
+        while index + 1 < req.max_tokens:
             if self.abort.is_set():
                 raise Aborted(req.request_id)
+            token = event.id
             if pipelined:
                 ahead = step_ahead(token, index + 1) if ahead is None else ahead
-                following = step_ahead(ahead[0], index + 2) if index + 2 < req.max_tokens else None
+                building = index + 2 < req.max_tokens and not stopping
+                following = step_ahead(ahead[0], index + 2) if building else None
                 held.prefix.read_token(token)
                 event = token_event(ahead)
                 if ring.size > 1:  # a gather step, handed on while the next one evaluates
@@ -140,11 +149,17 @@ class DecodeLoop:
                     self.hand_on_kv()
                 held.prefix.read_token(token)
                 event = self.sample_and_share(self.sampler, index + 1, logits)
-        if ahead is not None:  # built from a stop token: its K/V go
-            held.total_tokens -= 1
-            held.kv.truncate(held.total_tokens)
-        self.hand_back()
-        return event.id
+            index += 1
+            stopping = stopping or (until is not None and until(token, event.id))
+            if event.id in stop:
+                if ahead is not None:  # built from a stop token: its K/V go
+                    held.total_tokens -= 1
+                    held.kv.truncate(held.total_tokens)
+                return event, index, True
+            emit(pb.GenerateEvent(token=event))
+            if stopping and ahead is None:
+                return event, index, False
+        return event, index, True
 
     def hand_back(self) -> None:
         """After a gather answer: rank 0's share of its tokens' K/V, from the gathered copy to its shard."""

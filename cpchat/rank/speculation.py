@@ -11,6 +11,7 @@ layer's state is restored from before the block and the kept tokens run again)."
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,9 @@ class Speculation:
     def __init__(self, loop: DecodeLoop, quantize_at: int | None) -> None:
         self.loop, self.quantize_at = loop, quantize_at
         self.length = DraftLength(fixed=loop.req.draft_tokens)
+        self.k = self.length.next()  # the next step's proposals at most: the sampling rank's choice
+        self.unsent: np.ndarray | None = None  # a proposal not checked (k = 0), scored against what came
+        self.timed = 0.0  # when the last plain step ended (a rank alone)
         self.steps = 0
 
     @property
@@ -47,19 +51,28 @@ class Speculation:
         loop, req = self.loop, self.loop.req
         held = loop.held
         last, index = first, 0  # the latest token decided (not yet read into the K/V), its answer index
-        if last.id in stop:
+        if last.id in stop or not req.max_tokens:
             return last.id
         emit(pb.GenerateEvent(token=last))
         while index + 1 < req.max_tokens:
             if loop.abort.is_set():
                 raise Aborted(req.request_id)
+            if self.k == 0 and loop.world.size == 1:  # alone: plain steps, each built while one evaluates
+                self.timed = time.perf_counter()
+                before, (last, index, ended) = index, loop.run_from(emit, last, index, stop, quantize_by,
+                                                                    until=self.proposals_pay)
+                self.steps += index - before
+                if ended:
+                    break
+                continue
             start = held.total_tokens
             block = [last.id, *self.proposals(last.id, index, start)]
             quantize_by(start)
             states = dict(held.states.layers)
+            began = time.perf_counter()
             logits = loop.step(block)
             self.steps += 1
-            decided = self.decide(block, logits, index + 1)
+            decided = self.decide(block, logits, index + 1, began)
             taken = 0  # of `decided`, the tokens this answer takes (the last may be a stop token)
             for event in decided:
                 taken, index, last = taken + 1, index + 1, event
@@ -68,41 +81,61 @@ class Speculation:
                 emit(pb.GenerateEvent(token=event))
                 if index + 1 >= req.max_tokens:
                     break
-            self.length.record(len(block) - 1, len(decided) - 1)
             self.roll_back(block, start, taken, states)
             if last.id in stop:
                 break
         loop.hand_back()
         return last.id
 
+    def proposals_pay(self, token: int, following: int) -> bool:
+        """Between plain steps (a rank alone): score the proposal the conversation up to `token` made
+        against the token that came, `following`, and time the step; whether to propose again."""
+        now = time.perf_counter()
+        self.length.record(0, 0, now - self.timed)
+        self.timed = now
+        guess = propose(self.loop.held.prefix.tokens, 1)
+        if len(guess):
+            self.length.score(1, int(guess[0] == following))
+        self.k = self.length.next()
+        return self.k > 0
+
     def proposals(self, last: int, index: int, start: int) -> list[int]:
         """What follows `last` (answer token `index`, at position `start`) in the conversation so far:
         no more than the answer can still take, nor across the point where the K/V turn quantized."""
-        k = min(self.length.next(), self.loop.req.max_tokens - index - 2)
+        k = min(self.k, self.loop.req.max_tokens - index - 2)
         if self.quantize_at is not None and start < self.quantize_at:
             k = min(k, self.quantize_at - start - 1)
-        if k < 1:
-            return []
-        return propose(np.append(self.loop.held.prefix.tokens, np.uint32(last)), k).tolist()
+        context = np.append(self.loop.held.prefix.tokens, np.uint32(last))
+        sampler = self.loop.world.rank == self.loop.sampler
+        self.unsent = propose(context, 1) if sampler and self.k == 0 and k >= 0 else None
+        return propose(context, k).tolist() if k >= 1 else []
 
-    def decide(self, block: list[int], logits: mx.array | None, index: int) -> list[pb.TokenEvent]:
+    def decide(self, block: list[int], logits: mx.array | None, index: int, began: float
+               ) -> list[pb.TokenEvent]:
         """The sampling rank samples every position of the block (answer tokens `index` on) and keeps
         the samples up to the first that differs from the proposal it checks, that one included; it
-        sends them to every other rank."""
+        chooses how many to propose next (from this step's time, `began` on, and what held) and sends
+        both to every other rank."""
         loop = self.loop
         key = BlockKey(loop.req.request_id, 0, index, pb.TOKEN)
-        if loop.world.rank == loop.sampler:
-            samples = [sample(logits[i], loop.req.sampling, index + i) for i in range(len(block))]
-            mx.eval(samples)
-            tokens = [int(s[0].item()) for s in samples]
-            kept = next((i for i in range(1, len(block)) if tokens[i - 1] != block[i]), len(block))
-            arrays = [mx.concatenate([s[field].reshape(1, -1) for s in samples[:kept]])
-                      for field in range(len(samples[0]))]
-            if loop.world.size > 1:
-                loop.world.send_all(key, arrays, loop.world.peers)
-        else:
-            arrays, _ = loop.world.take(key, loop.abort, loop.sampler)
-        return [token_event([a[i] for a in arrays]) for i in range(arrays[0].shape[0])]
+        if loop.world.rank != loop.sampler:
+            *arrays, k = loop.world.take(key, loop.abort, loop.sampler)[0]
+            self.length.record(len(block) - 1, arrays[0].shape[0] - 1)
+            self.k = int(k.item())
+            return [token_event([a[i] for a in arrays]) for i in range(arrays[0].shape[0])]
+        samples = [sample(logits[i], loop.req.sampling, index + i) for i in range(len(block))]
+        mx.eval(samples)
+        events = [token_event(s) for s in samples]
+        kept = next((i for i in range(1, len(block)) if events[i - 1].id != block[i]), len(block))
+        self.length.record(len(block) - 1, kept - 1, time.perf_counter() - began)
+        if self.unsent is not None and len(self.unsent):
+            self.length.score(1, int(self.unsent[0] == events[0].id))
+        self.k = self.length.next()
+        if loop.world.size > 1:  # each field's values, a row a token; then the next step's k
+            fields = zip(*[[np.asarray(a).reshape(-1) for a in s] for s in samples[:kept]], strict=True)
+            loop.world.send_all(key, [*(mx.array(np.stack(f)) for f in fields), mx.array([self.k])],
+                                loop.world.peers)
+        return events[:kept]
 
     def roll_back(self, block: list[int], start: int, taken: int, states: dict) -> None:
         """Keep the block's first `taken` tokens (those before the last token decided) in the K/V and

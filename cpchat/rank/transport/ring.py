@@ -11,6 +11,7 @@ as `HostTensor`s: only the engine's thread computes on MLX arrays.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -32,6 +33,9 @@ from cpchat.rank.transport.wire import (
 )
 
 _CLOSE = object()
+# `cpchat bench --link-delay-ms`: every message this rank sends waits this long first (a slower network)
+LINK_DELAY_ENV = "CPCHAT_BENCH_LINK_DELAY_MS"
+LINK_DELAY_S = float(os.environ.get(LINK_DELAY_ENV) or 0) / 1000
 
 
 class RingBroken(RuntimeError):
@@ -221,6 +225,8 @@ class Ring:
         mx.eval(*tensors)
         host = [to_host(a) for a in tensors]
         for link in links:
+            if LINK_DELAY_S:
+                time.sleep(LINK_DELAY_S)
             link.put(key, host)
 
     def take(self, key: BlockKey, abort: threading.Event, source: int | None = None

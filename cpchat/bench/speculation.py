@@ -1,0 +1,127 @@
+"""`cpchat bench --speculate off,lookup`: decode speed with speculative decoding and without, side by side
+on the same ranks and prompt: a question whose answer quotes the attached document and one whose answer
+copies nothing, at each context and rank count. The modes take turns, repeat by repeat, on one session
+that holds the prompt (a later run prefills only its last token), and their answers must be the same.
+With --link-delay-ms every message between the ranks waits that long first: a slower network, simulated."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from cpchat.bench.prefix_cache import bench_model, sample_document
+from cpchat.bench.report import machine, write_report
+from cpchat.client.cluster import Cluster
+from cpchat.client.events import Done, Token
+from cpchat.client.session import SamplingOptions, Session, load_tokenizer
+from cpchat.core.lookup import SPECULATE
+from cpchat.rank.transport.ring import LINK_DELAY_ENV
+
+# The demo model answers one kind of question: a fact the document states (quoted), or one it does not.
+DEMO_QUESTIONS = {"quotes": "What is the access code for the Orion vault?",
+                  "copies nothing": "What is the launch code for the Zephyr station?"}
+PROSE_QUESTIONS = {"quotes": "Quote the sentence about the Orion vault.",
+                   "copies nothing": "Write a short poem about the autumn sea, in your own words."}
+
+
+@dataclass
+class SpeculationRow:
+    context: int
+    ranks: int
+    question: str
+    mode: str
+    decode_tokens_per_s: list[float] = field(default_factory=list)
+    answer_tokens: int = 0
+    steps: int = 0  # the last run's decode steps
+    proposed: int = 0
+    accepted: int = 0
+    same_answer: bool = True  # as the first mode's
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.decode_tokens_per_s) if self.decode_tokens_per_s else 0.0
+
+
+def run_speculation(args, command: str) -> int:
+    modes = [m.strip() for m in args.speculate.split(",") if m.strip()]
+    if not modes or any(m not in SPECULATE for m in modes):
+        print(f"cpchat bench: --speculate: expected a comma list of {', '.join(SPECULATE)}", file=sys.stderr)
+        return 2
+    if args.link_delay_ms:
+        os.environ[LINK_DELAY_ENV] = str(args.link_delay_ms)  # the ranks read it when they start
+    model = bench_model(args)
+    tokenizer = load_tokenizer(str(model))
+    questions = PROSE_QUESTIONS if args.model else DEMO_QUESTIONS
+    started, rows = time.time(), []
+    for n in args.ranks:
+        cluster = Cluster.launch(n, blas_choice=args.blas_choice, pin_cpus=args.pin, threads=args.threads)
+        try:
+            cluster.connect()
+            cluster.load(str(model))
+            for context in args.contexts:
+                document = sample_document(tokenizer, context)
+                for kind, question in questions.items():
+                    rows += compare_modes(cluster, tokenizer, document, question, kind, modes, args)
+                    for row in rows[-len(modes):]:
+                        print(f"N={n} {context} {kind} {row.mode}: {row.median:.1f} tok/s, "
+                              f"{row.accepted}/{row.proposed} taken", file=sys.stderr)
+        finally:
+            cluster.close()
+    out = Path(args.out)
+    lines = report_lines(rows, modes, command, model, args, time.time() - started)
+    write_report(out, "speculation", lines, {"command": command, "model": str(model), "machine": machine(),
+                                             "link_delay_ms": args.link_delay_ms,
+                                             "rows": [asdict(r) for r in rows]})
+    print(f"wrote {out / 'speculation.md'}", file=sys.stderr)
+    return 0
+
+
+def compare_modes(cluster: Cluster, tokenizer, document, question: str, kind: str, modes: list[str],
+                  args) -> list[SpeculationRow]:
+    """Each mode's row for one prompt: the first run prefills it, every later run its last token."""
+    cluster.reset(0)
+    session = Session(cluster, tokenizer, sampling=SamplingOptions(max_tokens=args.decode, temperature=0.0),
+                      draft_tokens=args.draft_tokens)
+    tokens = session.prepare(question, [document]).tokens
+    rows = {m: SpeculationRow(len(tokens), cluster.size, kind, m) for m in modes}
+    answers: dict[str, list[int]] = {}
+    for _ in range(args.repeats):
+        for mode in modes:
+            session.speculate = mode
+            answer, done = [], None
+            for event in session.generate(tokens):
+                if isinstance(event, Token):
+                    answer.append(event.id)
+                elif isinstance(event, Done):
+                    done = event
+            row = rows[mode]
+            row.decode_tokens_per_s.append(done.decode_tokens_per_s)
+            row.answer_tokens, row.steps = len(answer), done.speculation.steps or max(len(answer) - 1, 0)
+            row.proposed, row.accepted = done.speculation.proposed, done.speculation.accepted
+            row.same_answer &= answers.setdefault("first", answer) == answer
+    return list(rows.values())
+
+
+def report_lines(rows: list[SpeculationRow], modes: list[str], command: str, model: Path, args,
+                 seconds: float) -> list[str]:
+    delay = f"; every message between ranks delayed {args.link_delay_ms} ms" if args.link_delay_ms else ""
+    delay += f"; {args.draft_tokens} tokens proposed a step" if args.draft_tokens else ""
+    lines = ["# cpchat bench --speculate", "", f"Command: `{command}`  ",
+             f"Model: `{model.name}`; {args.repeats} repeat(s), the median; greedy answers of up to "
+             f"{args.decode} tokens{delay}; {os.cpu_count()} cores; took {seconds:.0f} s.", "",
+             "| context | ranks | answer | mode | decode tok/s | vs off | tokens a step | proposed "
+             "| accepted | answer tokens | same answer |",
+             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    off = {(r.context, r.ranks, r.question): r.median for r in rows if r.mode == "off"}
+    for r in rows:
+        base = off.get((r.context, r.ranks, r.question))
+        ratio = f"{r.median / base:.2f}×" if base and r.mode != "off" else ""
+        per_step = (r.answer_tokens - 1) / r.steps if r.steps else 0.0
+        lines.append(f"| {r.context:,} | {r.ranks} | {r.question} | {r.mode} | {r.median:.1f} | {ratio} "
+                     f"| {per_step:.2f} | {r.proposed} | {r.accepted} | {r.answer_tokens} "
+                     f"| {'yes' if r.same_answer else 'NO'} |")
+    return lines
