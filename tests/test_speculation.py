@@ -39,18 +39,24 @@ def test_proposals_follow_the_longest_earlier_match_and_its_most_common_continua
 
 def test_the_draft_length_follows_what_holds_and_what_a_step_costs():
     d = DraftLength()
-    assert d.next() == 3  # a = 1/2, 5 % a token: (1 + a + a^2 + a^3) / 1.15 is the most
-    for _ in range(4):
+    assert d.next() == 0  # a = 1/4 and a quarter step a token: (1 + a) / 1.25 = 1, no better than none
+    d.score(1, 1)  # a proposal not sent would have held: a = 1.4 / 2.6
+    assert d.next() == 1
+    d.record(0, 0, seconds=0.1)  # a plain step
+    d.record(1, 1, seconds=0.105)  # one proposal checked, and held: 5 % a token, measured
+    assert d.cost == pytest.approx(0.05)
+    assert d.next() == 4  # a = 2.12 / 3.08 would take 5, but one held: at most 2 x 1 + 2
+    for _ in range(3):
         d.record(d.next(), d.next())  # every proposal held
     assert d.next() == MAX_DRAFT
     for _ in range(15):
         d.score(1, 0)  # and then none: one in twenty would hold, not worth 5 % a token
     assert d.next() == 0
-    d = DraftLength()
-    d.record(0, 0, seconds=0.1)  # a plain step
-    d.record(4, 4, seconds=0.14)  # four proposals checked: 10 % a token
+    d.record(4, 0, seconds=0.14)  # four proposals checked: 10 % a token
     assert d.cost == pytest.approx(0.8 * 0.05 + 0.2 * 0.1)
-    assert (d.proposed, d.accepted) == (4, 4)
+    assert d.proposed - d.accepted == 4  # the totals: a score of a proposal not sent is not in them
+    d.record(2, 0, seconds=0.1)  # checked as fast as a plain step: still a cost, if a small one
+    assert d.cost == pytest.approx(0.8 * 0.06 + 0.2 * DraftLength.MIN_COST)
     assert DraftLength(fixed=5).next() == 5
 
 

@@ -50,26 +50,32 @@ class DraftLength:
     """How many tokens to propose next: `fixed` if set (--draft-tokens), else the k that gives the most
     tokens a second. A step that checks k proposals takes (1 + cost k) times a plain step, and gives
     1 + a + a^2 + ... + a^k tokens where each proposal holds with probability a; both are measured on
-    the answer's own steps, recent ones weighing most (a quote begins and ends), from a prior of a = 1/2
-    and a cost of 5 % a token. A proposal not sent (k = 0) is still scored against the token the step
-    made, so that the next quote is noticed."""
+    the answer's own steps, recent ones weighing most (a quote begins and ends), from a prior of a = 1/4
+    (no proposal until one held) and a cost of a quarter step a token (on a CPU a token costs 5-30 % of
+    a step, the more the longer the context: measured at the first check). k at most doubles on what
+    the last check kept, so that one lucky check does not bring a long one. A proposal not sent (k = 0)
+    is still scored against the token the step made, so that the next quote is noticed."""
 
     fixed: int = 0
-    held: float = 1.0  # decayed counts: proposals that held, and those that did not
-    missed: float = 1.0
-    cost: float = 0.05  # each proposed token's share of a plain step's time
+    held: float = 0.5  # decayed counts: proposals that held, and those that did not
+    missed: float = 1.5
+    cost: float = 0.25  # each proposed token's share of a plain step's time
+    costed: bool = False  # whether `cost` was measured yet
     plain_s: float = 0.0  # a plain step's time, decayed mean (0: none seen yet)
+    last_held: int = 0  # of the last proposals checked or scored
     proposed: int = 0  # this answer's totals
     accepted: int = 0
 
     DECAY = 0.8
+    MIN_COST = 0.02  # a token's share of a step, at least (one step's timing is noisy)
 
     def next(self) -> int:
         if self.fixed:
             return self.fixed
         a = self.held / (self.held + self.missed)
-        gain = np.cumsum(a ** np.arange(MAX_DRAFT + 1))  # tokens a step for k = 0 .. MAX_DRAFT
-        return int(np.argmax(gain / (1 + self.cost * np.arange(MAX_DRAFT + 1))))
+        k = np.arange(MAX_DRAFT + 1)
+        gain = np.cumsum(a ** k) / (1 + self.cost * k)  # tokens a step over its time, for each k
+        return min(int(np.argmax(gain)), 2 * self.last_held + 2)
 
     def record(self, proposed: int, accepted: int, seconds: float = 0.0) -> None:
         """A step that checked `proposed` tokens and kept `accepted`, in `seconds` (0: not timed)."""
@@ -81,13 +87,16 @@ class DraftLength:
         if not proposed:
             self.plain_s = self._mean(self.plain_s, seconds) if self.plain_s else seconds
         elif self.plain_s:
-            self.cost = self._mean(self.cost, max(seconds / self.plain_s - 1, 0.0) / proposed)
-
-    def _mean(self, mean: float, value: float) -> float:
-        return self.DECAY * mean + (1 - self.DECAY) * value
+            cost = max(seconds / self.plain_s - 1, self.MIN_COST * proposed) / proposed
+            self.cost, self.costed = self._mean(self.cost, cost) if self.costed else cost, True
 
     def score(self, proposed: int, accepted: int) -> None:
         """Proposals checked (or, not sent, compared with what came), one observation each up to the
         first that missed: each observation weighs the earlier ones down by DECAY."""
+        if proposed:
+            self.last_held = accepted
         for held in [True] * accepted + [False] * (accepted < proposed):
             self.held, self.missed = self.DECAY * self.held + held, self.DECAY * self.missed + (not held)
+
+    def _mean(self, mean: float, value: float) -> float:
+        return self.DECAY * mean + (1 - self.DECAY) * value

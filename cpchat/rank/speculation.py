@@ -58,7 +58,7 @@ class Speculation:
             if loop.abort.is_set():
                 raise Aborted(req.request_id)
             if self.k == 0 and loop.world.size == 1:  # alone: plain steps, each built while one evaluates
-                self.timed = time.perf_counter()
+                self.timed = 0.0
                 before, (last, index, ended) = index, loop.run_from(emit, last, index, stop, quantize_by,
                                                                     until=self.proposals_pay)
                 self.steps += index - before
@@ -91,7 +91,7 @@ class Speculation:
         """Between plain steps (a rank alone): score the proposal the conversation up to `token` made
         against the token that came, `following`, and time the step; whether to propose again."""
         now = time.perf_counter()
-        self.length.record(0, 0, now - self.timed)
+        self.length.record(0, 0, now - self.timed if self.timed else 0.0)  # the first one starts a pipeline
         self.timed = now
         guess = propose(self.loop.held.prefix.tokens, 1)
         if len(guess):
