@@ -22,7 +22,7 @@ from references import MlxReference
 from cpchat.checkpoints import CheckpointError
 from cpchat.checkpoints.gguf_convert import converted_dir
 from cpchat.checkpoints.named import named_gguf
-from cpchat.client.events import Token
+from cpchat.client.events import Done, Token
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
 from cpchat.core.stages import Stages
 
@@ -192,3 +192,18 @@ def test_cpchat_model_smollm2_answers(smollm2, reference, tokenizer):
     result = run(["--headless", "--model", "smollm2", "--prompt", question])
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == tokenizer.decode([t for t, _ in answer]).strip()
+
+
+@pytest.mark.parametrize("ranks, decode", [(1, "exchange"), (2, "exchange"), (2, "gather")])
+def test_speculative_decoding_quotes_as_mlx_lm(clusters, smollm2, reference, tokenizer, ranks, decode):
+    """Asked to quote its document, the model copies it: proposals from the document are kept several a
+    step, and the answer is mlx-lm's without speculation."""
+    ids = chat_ids(tokenizer, document(tokenizer, 450) + "\n\nQuote the first sentence above, word for word.")
+    cluster = clusters.get(ranks, smollm2)
+    cluster.reset(0)
+    session = raw_session(cluster, smollm2, "auto", MAX_TOKENS)
+    session.speculate, session.planner.decode = "lookup", decode
+    got, events = next_turn(session, ids)
+    assert_as_mlx_lm(got, reference, ids)
+    speculated = next(e for e in events if isinstance(e, Done)).speculation
+    assert speculated.accepted > 0 and speculated.steps < len(got) - 1, speculated

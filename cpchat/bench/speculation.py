@@ -36,6 +36,7 @@ class SpeculationRow:
     mode: str
     decode_tokens_per_s: list[float] = field(default_factory=list)
     answer_tokens: int = 0
+    decided: int = 0  # tokens the last run's decode steps decided: the answer's after its first, and its end
     steps: int = 0  # the last run's decode steps
     proposed: int = 0
     accepted: int = 0
@@ -100,7 +101,8 @@ def compare_modes(cluster: Cluster, tokenizer, document, question: str, kind: st
                     done = event
             row = rows[mode]
             row.decode_tokens_per_s.append(done.decode_tokens_per_s)
-            row.answer_tokens, row.steps = len(answer), done.speculation.steps or max(len(answer) - 1, 0)
+            row.answer_tokens, row.decided = len(answer), len(answer) - 1 + (len(answer) < args.decode)
+            row.steps = done.speculation.steps or row.decided
             row.proposed, row.accepted = done.speculation.proposed, done.speculation.accepted
             row.same_answer &= answers.setdefault("first", answer) == answer
     return list(rows.values())
@@ -116,11 +118,15 @@ def report_lines(rows: list[SpeculationRow], modes: list[str], command: str, mod
              "| context | ranks | answer | mode | decode tok/s | vs off | tokens a step | proposed "
              "| accepted | answer tokens | same answer |",
              "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines[-2:-2] = ["`answer` names the question asked: one whose answer quotes the document, or one",
+                    "whose answer need not (the demo model may still quote a fact it should not). Tokens a",
+                    "step: those the decode steps decided (the answer's after its first, and the end of",
+                    "sequence) over the steps.", ""]
     off = {(r.context, r.ranks, r.question): r.median for r in rows if r.mode == "off"}
     for r in rows:
         base = off.get((r.context, r.ranks, r.question))
         ratio = f"{r.median / base:.2f}×" if base and r.mode != "off" else ""
-        per_step = (r.answer_tokens - 1) / r.steps if r.steps else 0.0
+        per_step = r.decided / r.steps if r.steps else 0.0
         lines.append(f"| {r.context:,} | {r.ranks} | {r.question} | {r.mode} | {r.median:.1f} | {ratio} "
                      f"| {per_step:.2f} | {r.proposed} | {r.accepted} | {r.answer_tokens} "
                      f"| {'yes' if r.same_answer else 'NO'} |")
