@@ -187,16 +187,16 @@ def test_a_cancelled_answer_leaves_the_ring_exact(clusters, model_dir):
     path = model_dir("llama")
     cluster = clusters.get(2, path)
     cluster.reset(0)
-    session = raw_session(cluster, path, "auto", 200)
+    session = raw_session(cluster, path, "auto", 4000)
     session.speculate, session.draft_tokens = "lookup", 8
     phrase = random_prompt(path, 10, seed=28)
     tokens = 0
     for event in session.generate(phrase):
         if isinstance(event, Token):
             tokens += 1
-            if tokens == 3:
+            if tokens == 1:
                 session.cancel()
-    assert 3 <= tokens < 200 and session.held == []  # the cancelled turn is dropped whole
+    assert 1 <= tokens < 4000 and session.held == []  # the cancelled turn is dropped whole
     before, new = list(session.raw_history), random_prompt(path, 7, seed=29)
     session.sampling.max_tokens = MAX_TOKENS
     got, _ = next_turn(session, new)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from rich.console import Console
 from textual.app import App, ComposeResult
@@ -20,10 +22,9 @@ def anyio_backend() -> str:
 
 
 def _text(widget) -> str:
-    console = Console(width=60, record=True, file=None)
-    with console.capture():
-        console.print(widget.render())
-    return console.export_text()
+    console = Console(width=60, file=io.StringIO())
+    console.print(widget.render())
+    return console.file.getvalue()
 
 
 async def test_the_throughput_panel_computes_its_rates_from_what_it_is_handed():
@@ -45,7 +46,7 @@ async def test_the_throughput_panel_computes_its_rates_from_what_it_is_handed():
         assert panel.speculation is None and "tok/step" not in _text(panel)
         panel.done = Done(0, 2000, 11, 240.0, 9.0, ranks, Speculated("lookup", 12, 6, 4))
         await pilot.pause()
-        assert "lookup 2.5 tok/step, 50% taken" in _text(panel)  # 10 tokens after the first, in 4 steps
+        assert "lookup  2.5 tok/step, 50% taken" in _text(panel)  # 10 tokens after the first, in 4 steps
         panel.clear()
         assert (panel.ttft_ms, panel.prefill_tps, panel.decode_tps, panel.speculation) == (None,) * 4
 

@@ -41,7 +41,7 @@ from cpchat.rank.transport.wire import BlockKey, block_nbytes
 
 # One rank's decode step stays one lazy MLX graph per token, as mlx-lm's does, while its attention
 # is short; numpy's attention forces an evaluation per layer but its exp is faster, and wins past
-# about 64K scores a layer (query heads x keys; measured on a 1024-wide llama: 4K keys, 16 heads).
+# about 64K scores a layer (query heads x queries x keys; measured on a 1024-wide llama: 4K keys, 16 heads).
 LAZY_DECODE_SCORES = 1 << 16
 
 Partial = tuple[mx.array, mx.array]  # (out [1, H, L, Dv] float32, lse [1, H, L]): cpchat.core.attention
@@ -190,7 +190,7 @@ class RingPass:
         blocks = [(full_precision(k), full_precision(v), p) for k, v, p in blocks if k is not None and len(p)]
         if not blocks:
             return empty_partial(q, call.value_dim)
-        if self.decoding and q.shape[1] * sum(len(p) for *_, p in blocks) <= LAZY_DECODE_SCORES:
+        if self.decoding and q.shape[1] * q.shape[2] * sum(len(p) for *_, p in blocks) <= LAZY_DECODE_SCORES:
             return attention_over_blocks(q, blocks, q_pos, call.scale, call.window)
         return merge_partials([partial_attention(q, k, v, q_pos, p, call.scale, window=call.window)
                                for k, v, p in blocks])
