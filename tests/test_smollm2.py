@@ -206,7 +206,7 @@ def test_speculative_decoding_quotes_as_mlx_lm(clusters, smollm2, reference, tok
     cluster = clusters.get(ranks, smollm2)
     cluster.reset(0)
     session = raw_session(cluster, smollm2, "auto", 32)
-    session.speculate, session.planner.decode = "lookup", decode
+    session.speculate, session.draft_tokens, session.planner.decode = "lookup", 4, decode
     got, events = next_turn(session, ids)
     assert_as_mlx_lm(got, reference, ids, 32)
     speculated = next(e for e in events if isinstance(e, Done)).speculation

@@ -72,9 +72,10 @@ def answer(cluster, path, ids, decode="auto", draft_tokens=0, max_tokens=MAX_TOK
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_quoting_answers_accept_proposals_and_stay_mlx_lm_s(clusters, ranks):
-    """The demo model answers a question about its document by quoting it: proposals are accepted,
-    several tokens a step, and rejected where the document put the fact in other words; the answer's
-    end-of-sequence token comes inside a block; every decode step of N ranks gives mlx-lm's answer."""
+    """The demo model answers a question about its document by quoting it: four proposals a step, some
+    accepted, several tokens a step, some rejected where the document put the fact in other words; the
+    answer's end-of-sequence token comes inside a block; every decode step of N ranks gives mlx-lm's
+    answer, with four proposals a step and with as many as pay (which follows the machine's timings)."""
     ids, _ = question_ids(DEMO_MODEL, seed=3)
     expected = reference_generate(DEMO_MODEL, ids, MAX_TOKENS)
     assert len(expected) < MAX_TOKENS and expected[-1][0] in reference_tokenizer(DEMO_MODEL).eos_token_ids
@@ -82,13 +83,15 @@ def test_quoting_answers_accept_proposals_and_stay_mlx_lm_s(clusters, ranks):
     cluster = clusters.get(ranks, DEMO_MODEL)
     for decode in ("exchange", "ring", "lead", "gather") if ranks > 1 else ("exchange",):
         cluster.reset(0)
-        got, done = answer(cluster, DEMO_MODEL, ids, decode)
+        got, done = answer(cluster, DEMO_MODEL, ids, decode, draft_tokens=4)
         speculated = done.speculation
         assert_same(got, expected)
         assert speculated.mode == "lookup"
         assert speculated.proposed > speculated.accepted > 0, (decode, speculated)
         assert speculated.steps < len(got) - 1  # more than one token a step
         assert {s.algorithm for s in cluster.stats_once()} <= {f"decode_{decode}"}
+        cluster.reset(0)
+        assert_same(answer(cluster, DEMO_MODEL, ids, decode)[0], expected)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
@@ -127,7 +130,7 @@ def test_quantized_kv_from_inside_the_answer(clusters, bits):
         reference.close()
     expected = [p for p in expected if p[0] not in reference_tokenizer(DEMO_MODEL).eos_token_ids]
     for ranks in (1, 2):
-        got, done = answer(clusters.get(ranks, DEMO_MODEL, kv=kv), DEMO_MODEL, ids)
+        got, done = answer(clusters.get(ranks, DEMO_MODEL, kv=kv), DEMO_MODEL, ids, draft_tokens=4)
         assert_same(got, expected)
         assert done.speculation.accepted > 0
 
@@ -146,7 +149,7 @@ def test_hybrids_windows_and_stages(clusters, model_dir, tmp_path_factory, varia
     cluster = clusters.get(ranks, path, stages=Stages(stages))
     cluster.reset(0)
     session = raw_session(cluster, path, "auto", MAX_TOKENS)
-    session.speculate = "lookup"
+    session.speculate, session.draft_tokens = "lookup", 4
     history: list[int] = []
     proposed = accepted = 0
     phrase = random_prompt(path, 10, seed=seed)

@@ -97,9 +97,8 @@ def test_stages_answer_as_mlx_lm(clusters, deep_model, arch, stages, ring):
 
 @pytest.mark.parametrize("stages, ring", [layout_param(2, 2, fast=True), layout_param(3, 1)])
 def test_a_long_prompt_flows_through_the_stages_in_chunks(clusters, deep_model, stages, ring):
-    """1,100 tokens go through the stages in 4 chunks (cpchat.rank.stages.pipeline_cuts), each stage
-    after the first waiting for the one before (the second at least for the first chunk): the answer is still
-    mlx-lm's."""
+    """1,100 tokens go through the stages in 4 chunks (cpchat.rank.stages.pipeline_cuts), the stages
+    after the first waiting for the one before: the answer is still mlx-lm's."""
     path = deep_model("llama")
     cluster = clusters.get(stages * ring, path, stages=Stages(stages))
     ids = random_prompt(path, 1100, seed=11)
@@ -108,8 +107,9 @@ def test_a_long_prompt_flows_through_the_stages_in_chunks(clusters, deep_model, 
     assert [e for e in events if isinstance(e, Progress)][-1].processed == len(ids)
     waits = prefill_event(events).stage_wait_ms
     assert len(waits) == stages * ring
-    # the second stage waits at least for the first chunk; later ones may find theirs ready
-    assert all(w == 0 for w in waits[:ring]) and all(w > 0 for w in waits[ring:2 * ring])
+    # the first stage never waits; a later one does, for some chunk (a rank whose request came late
+    # may find its first chunks ready)
+    assert all(w == 0 for w in waits[:ring]) and any(w > 0 for w in waits[ring:])
 
 
 def test_each_rank_holds_only_its_stages_weights(clusters, deep_model):
