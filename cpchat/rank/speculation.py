@@ -68,7 +68,7 @@ class Speculation:
             start = held.total_tokens
             block = [last.id, *self.proposals(last.id, index, start)]
             quantize_by(start)
-            states = dict(held.states.layers)
+            states = dict(held.states.layers) if held.info.linear else {}
             began = time.perf_counter()
             logits = loop.step(block)
             self.steps += 1
@@ -142,16 +142,17 @@ class Speculation:
         the linear layers' states, and hand a gather step's kept K/V on."""
         loop = self.loop
         held, keep = loop.held, start + taken
-        if keep < start + len(block):
+        if keep < start + len(block) and held.info.linear:
+            # states cannot be cut back: from before the block (`states`), the kept tokens again
+            held.states.layers = states
+            held.kv.truncate(start)
+            held.total_tokens = start
+            loop.step(block[:taken])
+        elif keep < start + len(block):
             held.kv.truncate(keep)
             if loop.gathered is not None:
                 loop.gathered.new.truncate(keep)
             held.total_tokens = keep
-            if held.info.linear:  # states cannot be cut back: from before the block, the kept tokens again
-                held.states.layers = states
-                held.kv.truncate(start)
-                held.total_tokens = start
-                loop.step(block[:taken])
         if loop.handing:
             loop.hand_on_kv(keep)
         for token in block[:taken]:
