@@ -10,6 +10,8 @@ from helpers import next_turn, question_ids, raw_session, run_raw
 from mlx_reference import float32_weight
 from references import low_precision_noise, reference_generate, reference_tokenizer
 
+from cpchat.client.events import Done
+
 FORMS = ("bfloat16", "float16", "q4g32", "q4g64", "q4g128", "q8g64")
 MAX_TOKENS = 16
 
@@ -117,3 +119,21 @@ def test_weight_products_run_in_float32_on_the_cpu(checkpoint, form):
     assert mx.array_equal(head.as_linear(hidden),
                           (hidden.astype(mx.float32) @ head_weight.T).astype(hidden.dtype)).item()
     assert "_float32" not in dict(layer)  # the copy is no parameter: saved or counted, the model's weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["bfloat16", "q4g64"])
+def test_speculative_decoding_in_low_precision(clusters, checkpoint, form):
+    """The demo model as mlx_lm.convert makes it, quoting its document through 2 ranks with four proposals
+    a step, exchange and gather steps: mlx-lm's tokens, within its noise, proposals kept."""
+    path = checkpoint(form)
+    cluster = clusters.get(2, path)
+    ids, _ = question_ids(path, seed=1)
+    for decode in ("exchange", "gather"):
+        cluster.reset(0)
+        session = raw_session(cluster, path, "auto", MAX_TOKENS)
+        session.speculate, session.draft_tokens, session.planner.decode = "lookup", 4, decode
+        got, events = next_turn(session, ids)
+        assert_within_noise(path, ids, got)
+        speculated = next(e for e in events if isinstance(e, Done)).speculation
+        assert speculated.accepted > 0 and speculated.steps < len(got), speculated
