@@ -8,6 +8,7 @@ from pathlib import Path
 
 from textual.command import CommandInput, CommandList, CommandPalette
 from textual.pilot import Pilot
+from textual.widget import Widget
 
 from cpchat.tui.app import CpchatApp
 from cpchat.tui.widgets import AttachmentChip, ChatInput, ChatMessage
@@ -23,6 +24,17 @@ async def until(pilot: Pilot, condition: Callable[[], object], timeout: float = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or condition}")
         await pilot.pause(0.05)
+
+
+async def click(pilot: Pilot, widget: Widget) -> None:
+    """Click a widget once it is laid out where the click lands (a chip just mounted, or moved up by the
+    removal of the one before it, has no place yet or a stale one)."""
+    def placed() -> bool:
+        region = widget.region
+        return bool(region) and pilot.app.get_widget_at(region.x, region.y)[0] is widget
+
+    await until(pilot, placed, what=f"{widget} laid out")
+    await pilot.click(widget)
 
 
 async def run_palette(pilot: Pilot, title: str) -> None:

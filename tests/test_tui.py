@@ -22,6 +22,7 @@ from pilot import (
     assistant_messages,
     attach_with_question,
     chips,
+    click,
     paste,
     ready,
     run_palette,
@@ -328,8 +329,8 @@ async def test_paste_of_paths_attaches_in_every_form(make_app, tmp_path):
             assert all(c.tokens and c.tokens > 0 for c in chips(app)), form
             assert app.query_one(ChatInput).text == "", f"{form} must not insert text"
             for chip in chips(app):
-                await pilot.click(chip.query_one(".chip-remove"))
-            await until(pilot, lambda: not chips(app), what="chips removed")
+                await click(pilot, chip.query_one(".chip-remove"))
+                await until(pilot, lambda c=chip: not c.is_attached, what=f"{form} chip removed")
         # attach both and send: the documents go into the user turn with their names
         await paste(pilot, f"'{a}' '{b}'")
         await until(pilot, lambda: len(chips(app)) == 2)
@@ -387,7 +388,7 @@ async def test_dropped_pdf_and_folder_attach_with_format_pages_and_files(make_ap
         captions = [str(c.query_one(".chip-label", Label).render()) for c in chips(app)]
         assert captions[0].startswith("site report.pdf · PDF · 3 pages · ") and captions[0].endswith(" tok")
         assert captions[1].startswith("notes/ · 2 files · ")
-        await pilot.click(chips(app)[1].query_one(".chip-label"))
+        await click(pilot, chips(app)[1].query_one(".chip-label"))
         await until(pilot, lambda: isinstance(app.screen, AttachmentsScreen), what="the folder's listing")
         listing = app.screen.query_one(Markdown).source
         assert "`notes/a.md`" in listing and "`notes/sub/b.txt`" in listing and "scratch" not in listing
@@ -523,9 +524,10 @@ def test_the_stage_map_is_a_grid_of_stages_by_context_ranks():
 
 @pytest.mark.slow
 async def test_escape_stops_the_answer_and_keeps_it(make_app):
-    app = make_app(max_tokens=4000)
+    app = make_app(max_tokens=100_000)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
+        app.chat.backend.session.sampling.ignore_eos = True  # an answer that cannot end before the Esc
         app.query_one(ChatInput).load_text("Tell me everything.")
         await pilot.press("enter")
         await until(pilot, lambda: app.chat.answer is not None and app.chat.answer.tokens >= 3,
@@ -539,7 +541,7 @@ async def test_escape_stops_the_answer_and_keeps_it(make_app):
         assert app.chat.backend.session.messages[-1].content == last.text
         # Counted by the ranks: re-encoding a random model's text does not give back its tokens.
         done = app.chat.side.throughput.done
-        assert done is not None and done.generated_tokens < 4000
+        assert done is not None and done.generated_tokens < 100_000
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ from rich.console import Console
 from textual.app import App, ComposeResult
 
 from cpchat.client.events import Done, Prefill, RankUsage, RingStep, Speculated
+from cpchat.tui.jobs import AnswerText
+from cpchat.tui.messages import TokensArrived
 from cpchat.tui.widgets import Answer, ThroughputPanel
 from cpchat.tui.widgets.answer import Pace
 from cpchat.tui.widgets.ring_chart import RingChart
@@ -81,3 +83,22 @@ async def test_the_ring_chart_says_when_a_decode_step_crossed_nothing_per_layer(
         assert "step 0" in str(chart.render()) and "step 1" in str(chart.render())
         chart.pass_name, chart.steps = "decode_gather", []  # rank 0 decoded alone on a copy of the K/V
         assert str(chart.render()).startswith("last pass: decode_gather: rank 0 alone")
+
+
+def test_answer_text_keeps_one_message_waiting_and_sends_the_rest_together():
+    """Tokens faster than the screen shows them go in one message each time the screen catches up, in
+    order, none lost; the end of a turn sends what is left before the turn's last message."""
+    posted: list[TokensArrived] = []
+    text = AnswerText(posted.append)
+    text.add("a")
+    text.add("b")
+    text.add("c")
+    assert [(m.text, m.count) for m in posted] == [("a", 1)]
+    text.shown()
+    assert [(m.text, m.count) for m in posted] == [("a", 1), ("bc", 2)]
+    text.shown()  # nothing arrived meanwhile: the next token goes at once
+    text.add("d")
+    text.add("e")
+    text.flush()
+    text.flush()
+    assert [(m.text, m.count) for m in posted[2:]] == [("d", 1), ("e", 1)]

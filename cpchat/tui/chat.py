@@ -362,6 +362,7 @@ class ChatScreen(ConversationActions, Screen):
         if self.answer is not None:
             await self.answer.write(message.text, message.count)
             self.side.throughput.pace = self.answer.pace
+        self.jobs.answer_text.shown()
 
     async def on_turn_finished(self, message: m.TurnFinished) -> None:
         self.work_bar.hide()

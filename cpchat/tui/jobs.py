@@ -37,6 +37,42 @@ from cpchat.tui.messages import (
 )
 
 
+class AnswerText:
+    """The answer's text on its way to the screen: one TokensArrived at a time waits in the screen's
+    queue, and what arrives meanwhile goes with the next one. A fast answer (hundreds of tokens a
+    second) then cannot bury a key press such as Esc under thousands of messages."""
+
+    def __init__(self, post: Callable[[Message], object]) -> None:
+        self.post = post
+        self._lock = threading.Lock()
+        self._text, self._count, self._waiting = "", 0, False
+
+    def add(self, text: str) -> None:
+        """A token arrived (worker thread)."""
+        with self._lock:
+            self._text += text
+            self._count += 1
+            if not self._waiting:
+                self._send()
+
+    def shown(self) -> None:
+        """The screen showed the last message (event loop): send what arrived meanwhile."""
+        with self._lock:
+            self._waiting = False
+            if self._count:
+                self._send()
+
+    def flush(self) -> None:
+        """The turn ended (worker thread): the rest goes now, before the turn's last message."""
+        with self._lock:
+            if self._count:
+                self._send()
+
+    def _send(self) -> None:
+        self.post(TokensArrived(self._text, self._count))
+        self._text, self._count, self._waiting = "", 0, True
+
+
 class BackendJobs:
     """`post` delivers a message to the screen (post_message is thread-safe). `cancelled` says the
     answer under way was stopped (Esc), for the turn's last message."""
@@ -44,6 +80,7 @@ class BackendJobs:
     def __init__(self, backend: Frontend, post: Callable[[Message], object]) -> None:
         self.backend, self.post = backend, post
         self.cancelled = False
+        self.answer_text = AnswerText(post)
         self._stats_stop = threading.Event()
 
     # ---- the ranks and the model
@@ -150,6 +187,7 @@ class BackendJobs:
         session = self.backend.session
         assert session is not None
         store.add(entry)
+        answer = self.answer_text
         streamed = False
         label = ""  # the prefill's, once a saved prefix was loaded
         try:
@@ -157,7 +195,7 @@ class BackendJobs:
                 if isinstance(event, Token):
                     streamed = True
                     store.delta(event.text)
-                    self.post(TokensArrived(event.text, 1))
+                    answer.add(event.text)
                 elif isinstance(event, CacheLoaded):
                     label = f"Loaded {event.tokens:,} cached tokens in {event.ms / 1000:.1f} s · prefill"
                     self.post(WorkProgress("prefill", 0, len(turn.tokens) - event.tokens, label))
@@ -167,10 +205,13 @@ class BackendJobs:
                     self.post(PrefillDone(event, session.last_choice))
                 elif isinstance(event, Done):
                     store.usage(event.prompt_tokens, event.generated_tokens)
+                    answer.flush()
                     self.post(TurnFinished(done=event, cancelled=self.cancelled))
         except (BackendError, BadInput) as e:
+            answer.flush()
             self.post(TurnFinished(error=str(e), cancelled=self.cancelled))
         except Exception as e:  # an unexpected client error must not take the transcript down
+            answer.flush()
             self.post(TurnFinished(error=f"{type(e).__name__}: {e}"))
         finally:
             if streamed:
