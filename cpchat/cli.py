@@ -239,12 +239,13 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculation_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculate", metavar="off|lookup|auto", default=None,
+    p.add_argument("--speculate", metavar="off|lookup|auto|draft:MODEL", default=None,
                    help="speculative decoding: each step also checks tokens proposed from the conversation "
-                        "itself (lookup) and keeps those the model would have produced; the answer is the "
-                        "same. auto (default): lookup")
+                        "itself (lookup) or by a small model of the same tokenizer (draft:MODEL) and keeps "
+                        "those the model would have produced; the answer is the same. auto (default): lookup")
     p.add_argument("--draft-tokens", type=int, default=None, metavar="K",
-                   help="tokens proposed a step (default: adaptive, more while they are accepted)")
+                   help="tokens proposed a step (default: adaptive, more while they are accepted; "
+                        "3 from a draft model)")
 
 
 def add_cache_flags(p: argparse.ArgumentParser) -> None:

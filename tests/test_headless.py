@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import DEMO_MODEL
 from helpers import CPCHAT, events, one_line_error, rank_processes, run
 from makedocs import write_pdf
 from rankprocs import wait_gone
@@ -67,21 +68,27 @@ def test_json_events_match_mlx_lm(model_dir):
 
 
 @pytest.mark.slow
-def test_speculation_says_what_it_did_and_changes_no_answer():
-    """The demo model quotes the sample document: with lookup proposals (the default) the answer is the
-    one made a token a step, in fewer steps; `done` says how many tokens were proposed and taken.
-    Values the flags do not take are refused in one line."""
-    base = ["--headless", "--json", "--ranks", "2", "--doc", str(SAMPLE_DOC), "--prompt",
-            "What is the access code for the Orion vault?"]
-    runs = {mode: events(run(base + ["--speculate", mode]).stdout) for mode in ("off", "lookup")}
+def test_speculation_says_what_it_did_and_changes_no_answer(model_dir):
+    """The demo model quotes the sample document: with lookup proposals (the default), or the demo model
+    as its own draft (a relative path), the answer is the one made a token a step, in fewer steps; `done`
+    says how many tokens were proposed and taken. Values the flags do not take, a draft model that is
+    not there and one of another tokenizer are refused in one line."""
+    base = ["--headless", "--json", "--ranks", "2", "--model", str(DEMO_MODEL), "--doc", str(SAMPLE_DOC),
+            "--prompt", "What is the access code for the Orion vault?"]
+    draft = f"draft:{os.path.relpath(DEMO_MODEL)}"
+    runs = {mode: events(run(base + ["--speculate", mode]).stdout) for mode in ("off", "lookup", draft)}
     texts = {mode: "".join(e["text"] for e in evs if e["event"] == "token") for mode, evs in runs.items()}
-    assert texts["off"] == texts["lookup"] == "The access code for the Orion vault is 4812-KX."
-    off, lookup = (next(e for e in runs[m] if e["event"] == "done")["speculation"] for m in ("off", "lookup"))
+    assert set(texts.values()) == {"The access code for the Orion vault is 4812-KX."}
+    off, lookup, drafted = (next(e for e in runs[m] if e["event"] == "done")["speculation"]
+                            for m in ("off", "lookup", draft))
     assert off == {"mode": "off", "proposed": 0, "accepted": 0, "steps": 0}
     assert lookup["mode"] == "lookup" and lookup["proposed"] >= lookup["accepted"] > 0
+    assert drafted["mode"] == "draft" and drafted["proposed"] >= drafted["accepted"] > 0
     generated = next(e for e in runs["lookup"] if e["event"] == "done")["generated_tokens"]
-    assert lookup["steps"] < generated - 1
-    for flags, words in ((["--speculate", "draft:tiny"], "draft models are not supported yet"),
+    assert lookup["steps"] < generated - 1 and drafted["steps"] < generated - 1
+    for flags, words in ((["--speculate", "draft:"], "is not off, lookup, auto, draft:MODEL"),
+                         (["--speculate", "draft:tiny"], "draft model: model path tiny does not exist"),
+                         (["--speculate", f"draft:{model_dir('llama')}"], "has another tokenizer than"),
                          (["--draft-tokens", "99"], "is not 1 to 16")):
         one_line_error(run(base + flags), 2, words)
 

@@ -20,15 +20,18 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+from conftest import DEMO_MODEL
 from rankprocs import ranks_started_with, wait_gone
 
 from cpchat.client.events import Token
+from cpchat.prompt import user_message
 from cpchat.serve.generation import StopText
 from cpchat.serve.openai_api import ApiError, GenerationParams, parse_chat
 
 KEY = "test-key-0123"
 QUEUE = 4
 MAX_BODY = 2_000_000
+SAMPLE_DOC = Path(__file__).resolve().parents[1] / "assets" / "sample-doc.txt"
 DEFAULTS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0)
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
@@ -328,3 +331,26 @@ def test_stop_strings_hold_back_what_could_start_one():
     going = StopText(["END"])
     assert going.add(token("E")).text == "" and going.add(token("ast")).text == "East"
     assert going.flush().text == "" and not going.stopped
+
+
+@pytest.mark.slow
+def test_a_stop_string_inside_a_checked_block_ends_the_answer_there():
+    """The demo model quotes the sample document several tokens a step (lookup proposals, serve's
+    default): a stop string inside the quote cuts the answer just before it, and the same request
+    without it then gets the whole answer (the ranks dropped what they decoded past the stop)."""
+    s = start_server(["--model", str(DEMO_MODEL), "--ranks", "2", "--api-key", KEY, "--no-cache"])
+    try:
+        question = user_message([("sample-doc.txt", SAMPLE_DOC.read_text())],
+                                "What is the access code for the Orion vault?")
+        ask = {"model": str(DEMO_MODEL), "messages": [{"role": "user", "content": question}],
+               "max_tokens": 40, "temperature": 0}
+        client = s.client()
+        whole = client.chat.completions.create(**ask).choices[0]
+        assert whole.message.content == "The access code for the Orion vault is 4812-KX."
+        cut = client.chat.completions.create(**ask, stop=["12-K"]).choices[0]
+        assert cut.message.content == "The access code for the Orion vault is 48"
+        assert cut.finish_reason == "stop"
+        assert client.chat.completions.create(**ask).choices[0].message.content == whole.message.content
+    finally:
+        s.process.send_signal(signal.SIGTERM)
+        assert s.process.wait(timeout=60) == 0, "".join(s.lines)

@@ -16,6 +16,8 @@ from cpchat.client.events import Token
 from cpchat.core.lookup import MAX_DRAFT, DraftLength, propose
 from cpchat.core.quantized_kv import KVFormat
 from cpchat.core.stages import Stages
+from cpchat.errors import BadInput
+from cpchat.rank.draft import DraftModel
 from cpchat.smallmodels import write_model
 
 MAX_TOKENS = 24
@@ -163,6 +165,71 @@ def test_hybrids_windows_and_stages(clusters, model_dir, tmp_path_factory, varia
     assert accepted > 0 and proposed > 0
 
 
+@pytest.mark.parametrize("ranks, stages", [(1, 1), (2, 1), (3, 1), (4, 2)])
+def test_a_draft_model_proposes_and_the_answer_stays_mlx_lm_s(clusters, model_dir, tmp_path_factory, ranks,
+                                                             stages):
+    """--speculate draft:MODEL, three proposals a step from the sampling rank: the model as its own draft
+    (every proposal kept), another seed of it (most rejected) and a hybrid of the same tokenizer (its
+    states cannot be cut back: read again after a rejection). For every decode step of N ranks (and two
+    stages of two) and each draft, over two turns (the draft follows the conversation) and after the
+    ring is cut back to nothing: mlx-lm's answers."""
+    path = model_dir("llama")
+    drafts = {"itself": path, "another seed": write_model(tmp_path_factory.mktemp("draft") / "llama", "llama",
+                                                          seed=7),
+              "a hybrid": model_dir("qwen3_next")}
+    phrase = random_prompt(path, 10, seed=5)
+    first = reference_generate(path, phrase, MAX_TOKENS)
+    history = phrase + [t for t, _ in first] + phrase[:4]
+    second = reference_generate(path, history, MAX_TOKENS)
+    cluster = clusters.get(ranks, path, stages=Stages(stages))
+    for decode in ("exchange", "gather") if ranks > stages else ("exchange",):
+        for name, draft in drafts.items():
+            cluster.reset(0)
+            session = raw_session(cluster, path, "auto", MAX_TOKENS)
+            session.speculate, session.planner.decode = f"draft:{draft}", decode
+            counts = []
+            for new, expected in ((phrase, first), (phrase[:4], second)):
+                got, events = next_turn(session, new)
+                assert_same(got, expected)
+                counts.append(done_event(events).speculation)
+            assert all(c.mode == "draft" and c.proposed >= 3 for c in counts), (name, counts)
+            if name == "itself":
+                assert all(c.accepted == c.proposed and c.steps <= MAX_TOKENS // 3 for c in counts), counts
+            elif name == "another seed":
+                assert all(c.accepted < c.proposed for c in counts), counts
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_a_draft_model_follows_the_conversation_as_it_grows_and_is_cut_back(model_dir, arch):
+    """The draft proposes mlx-lm's own greedy continuation of whatever it is handed, whether the tokens
+    extend what it read, part from it after its own proposals (a rejection) or are cut back to a few
+    (the ring reset): a cache cut back too little, too much or not at all proposes other tokens. A
+    hybrid's states cannot be cut back: it reads the conversation again."""
+    path = model_dir(arch)
+    draft = DraftModel(str(path))
+    phrase = np.array(random_prompt(path, 12, seed=5), np.uint32)
+    proposed = draft.propose(phrase, 3)
+    rejected = np.append(phrase, [proposed[0], (proposed[1] + 1) % 400 + 3]).astype(np.uint32)
+    for tokens in (phrase, np.append(phrase, proposed).astype(np.uint32), rejected, phrase[:5], phrase):
+        expected = [t for t, _ in reference_generate(path, tokens.tolist(), 3)]
+        assert draft.propose(tokens, 3)[:len(expected)] == expected
+
+
+def test_a_draft_model_the_rank_cannot_load_is_refused_by_name(clusters, model_dir):
+    """A draft model that is not on the sampling rank's disk: one error naming it, and the ring answers
+    the next turn exactly."""
+    path = model_dir("llama")
+    cluster = clusters.get(2, path)
+    cluster.reset(0)
+    session = raw_session(cluster, path, "auto", MAX_TOKENS)
+    session.speculate = "draft:/nowhere/draft-model"
+    phrase = random_prompt(path, 10, seed=5)
+    with pytest.raises(BadInput, match="draft model /nowhere/draft-model"):
+        next_turn(session, phrase)
+    session.speculate = "lookup"
+    assert_same(next_turn(session, phrase)[0], reference_generate(path, phrase, MAX_TOKENS))
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_sampled_answers_are_those_of_one_token_a_step(clusters, ranks):
     """At temperature 0.8 each answer position draws from its own seed, as without proposals, and a
@@ -173,15 +240,16 @@ def test_sampled_answers_are_those_of_one_token_a_step(clusters, ranks):
     phrase = random_prompt(DEMO_MODEL, 40, seed=8)
     ids = phrase + phrase[:8]
     cluster = clusters.get(ranks, DEMO_MODEL)
-    answers, accepted = set(), 0
+    answers, accepted = set(), {}
     for seed in range(12):
         kw = {"temperature": 0.8, "seed": seed, "draft_tokens": 4}
         plain, _ = answer(cluster, DEMO_MODEL, ids, speculate="off", **kw)
-        got, done = answer(cluster, DEMO_MODEL, ids, **kw)
-        assert_same(got, plain)
-        answers.add(tuple(t for t, _ in got))
-        accepted += done.speculation.accepted
-    assert len(answers) >= 3 and accepted > 0
+        for speculate in ("lookup", f"draft:{DEMO_MODEL}"):
+            got, done = answer(cluster, DEMO_MODEL, ids, speculate=speculate, **kw)
+            assert_same(got, plain)
+            accepted[speculate] = accepted.get(speculate, 0) + done.speculation.accepted
+        answers.add(tuple(t for t, _ in plain))
+    assert len(answers) >= 3 and all(accepted.values()), accepted
 
 
 def test_a_cancelled_answer_leaves_the_ring_exact(clusters, model_dir):

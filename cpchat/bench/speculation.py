@@ -16,9 +16,11 @@ from pathlib import Path
 from cpchat.bench.prefix_cache import bench_model, sample_document
 from cpchat.bench.report import machine, write_report
 from cpchat.client.cluster import Cluster
+from cpchat.client.draft import resolve_speculation
 from cpchat.client.events import Done, Token
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
-from cpchat.core.lookup import SPECULATE
+from cpchat.core.lookup import SPECULATE, speculation_valid
+from cpchat.errors import BadInput
 from cpchat.rank.transport.ring import LINK_DELAY_ENV
 
 # The demo model answers one kind of question: a fact the document states (quoted), or one it does not.
@@ -49,13 +51,18 @@ class SpeculationRow:
 
 def run_speculation(args, command: str) -> int:
     modes = [m.strip() for m in args.speculate.split(",") if m.strip()]
-    if not modes or any(m not in SPECULATE for m in modes):
+    if not modes or not all(speculation_valid(m) for m in modes):
         print(f"cpchat bench: --speculate: expected a comma list of {', '.join(SPECULATE)}", file=sys.stderr)
         return 2
     if args.link_delay_ms:
         os.environ[LINK_DELAY_ENV] = str(args.link_delay_ms)  # the ranks read it when they start
     model = bench_model(args)
     tokenizer = load_tokenizer(str(model))
+    try:  # each mode as the ranks take it (a draft model resolved and checked)
+        resolved = {m: resolve_speculation(m, tokenizer, str(model), whole_model=True) for m in modes}
+    except BadInput as e:
+        print(f"cpchat bench: {e}", file=sys.stderr)
+        return 2
     questions = PROSE_QUESTIONS if args.model else DEMO_QUESTIONS
     started, rows = time.time(), []
     for n in args.ranks:
@@ -66,7 +73,7 @@ def run_speculation(args, command: str) -> int:
             for context in args.contexts:
                 document = sample_document(tokenizer, context)
                 for kind, question in questions.items():
-                    rows += compare_modes(cluster, tokenizer, document, question, kind, modes, args)
+                    rows += compare_modes(cluster, tokenizer, document, question, kind, resolved, args)
                     for row in rows[-len(modes):]:
                         print(f"N={n} {context} {kind} {row.mode}: {row.median:.1f} tok/s, "
                               f"{row.accepted}/{row.proposed} taken", file=sys.stderr)
@@ -81,9 +88,10 @@ def run_speculation(args, command: str) -> int:
     return 0
 
 
-def compare_modes(cluster: Cluster, tokenizer, document, question: str, kind: str, modes: list[str],
+def compare_modes(cluster: Cluster, tokenizer, document, question: str, kind: str, modes: dict[str, str],
                   args) -> list[SpeculationRow]:
-    """Each mode's row for one prompt: the first run prefills it, every later run its last token."""
+    """Each mode's row for one prompt (`modes`: each as named, as the ranks take it): the first run
+    prefills it, every later run its last token."""
     cluster.reset(0)
     session = Session(cluster, tokenizer, sampling=SamplingOptions(max_tokens=args.decode, temperature=0.0),
                       draft_tokens=args.draft_tokens)
@@ -92,7 +100,7 @@ def compare_modes(cluster: Cluster, tokenizer, document, question: str, kind: st
     answers: dict[str, list[int]] = {}
     for _ in range(args.repeats):
         for mode in modes:
-            session.speculate = mode
+            session.speculate = modes[mode]
             answer, done = [], None
             for event in session.generate(tokens):
                 if isinstance(event, Token):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from cpchat.client.cluster import Cluster
 from cpchat.client.connect import ClusterOptions, connect_cluster
+from cpchat.client.draft import resolve_speculation
 from cpchat.client.hub import front_end_copy
 from cpchat.client.models import weight_parts
 from cpchat.client.session import Message, SamplingOptions, Session, load_tokenizer
@@ -36,6 +37,7 @@ class Frontend:
         self.own_cluster = False  # formed here, not injected: closed with us (attached ranks run on)
         self.tokenizer_dir: str | None = None  # where the front end reads a hub model's tokenizer
         self.tokenizer = None
+        self.speculate = settings.speculate  # a draft model's name resolved (cpchat.client.draft)
         self.session: Session | None = None
         self.closing = threading.Event()
         self.notes: list[str] = []  # lines for the user from the work (what a GGUF conversion did)
@@ -58,6 +60,7 @@ class Frontend:
         if self.cluster.model is None:
             self._load(self.model_path, report)
         self.tokenizer = load_tokenizer(self.tokenizer_dir or self.model_path)
+        self.speculate = self._speculation(self.tokenizer, self.model_path, report)
         return description
 
     def relaunch(self, report: Report) -> None:
@@ -86,6 +89,7 @@ class Frontend:
             loading = True
             self._load(model_path, report)
             tokenizer = load_tokenizer(tokenizer_dir or model_path)
+            self.speculate = self._speculation(tokenizer, model_path, report)
         except (BadInput, BackendError):
             if loading:  # some ranks may hold the new model already
                 try:
@@ -110,7 +114,7 @@ class Frontend:
             sampling = SamplingOptions(s.max_tokens, s.temp, s.top_p, s.seed)
             self.session = Session(self.cluster, self.tokenizer, raw=raw, algorithm=s.algorithm,
                                    sampling=sampling, prefix_cache=s.cache, shares=s.shares,
-                                   speculate=s.speculate, draft_tokens=s.draft_tokens)
+                                   speculate=self.speculate, draft_tokens=s.draft_tokens)
             self.session.messages = list(messages)
         return self.session
 
@@ -161,6 +165,10 @@ class Frontend:
         free = [f + r.weight_bytes for f, r in zip(cluster.free_memory(), cluster.ranks, strict=True)]
         fits = parts.fits(split, [min(free[r] for r in ranks) for ranks in groups])
         return Stages(stages.count, tuple(split)) if fits else None
+
+    def _speculation(self, tokenizer, model_path: str, report: Report) -> str:
+        return resolve_speculation(self.settings.speculate, tokenizer, model_path,
+                                   whole_model=not self.options.attached, report=report, say=self.say)
 
     def _fetch(self, model_path: str, report: Report) -> str | None:
         """A hub model's files (or a GGUF's conversion) for the front end: the whole model when the

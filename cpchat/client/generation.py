@@ -22,8 +22,10 @@ class GenerationRequest:
     keep_state_at: int = 0  # linear layers also keep their state after this many of `tokens` (0: no)
     shares: tuple[int, ...] = ()  # each rank's share of `tokens` (cpchat.core.sharding); empty: equal
     top_logprobs: int = 0  # each token also names this many most likely tokens, with theirs
-    speculation: str = "off"  # "lookup": each decode step also checks proposed tokens (the same answer)
-    draft_tokens: int = 0  # tokens proposed a step; 0: adaptive
+    # "lookup" or "draft": each decode step also checks proposed tokens (the same answer)
+    speculation: str = "off"
+    draft_tokens: int = 0  # tokens proposed a step; 0: adaptive (lookup) or 3 (a draft model)
+    draft_model: str = ""  # "draft": the model that proposes, as the ranks resolve a model
 
 
 @dataclass(frozen=True)

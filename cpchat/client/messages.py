@@ -27,6 +27,7 @@ def generate_request(g: GenerationRequest) -> pb.GenerateRequest:
         stop_tokens=g.stop_tokens, decode=pb.Decode.Value(BY_NAME[g.decode].wire), save_prefix=g.save_prefix,
         keep_state_at=g.keep_state_at, shares=g.shares,
         speculation=pb.Speculation.Value(f"SPECULATION_{g.speculation.upper()}"), draft_tokens=g.draft_tokens,
+        draft_model=g.draft_model,
     )
 
 

@@ -122,8 +122,9 @@ class Session:
         # each rank's share of a prompt, chosen from the ranks' measurements.
         self.planner = Planner(cluster, algorithm, decode, shares)
         self.sampling = sampling or SamplingOptions()
-        # Speculative decoding (cpchat/core/lookup.py): "off", "lookup" or "auto" (lookup), and the
-        # tokens proposed a step (0: adaptive). The answer is the same either way.
+        # Speculative decoding (cpchat/core/lookup.py): "off", "lookup", "auto" (lookup) or
+        # "draft:MODEL" (a model the ranks load, of this tokenizer), and the tokens proposed a step
+        # (0: adaptive, or 3 from a draft model). The answer is the same either way.
         self.speculate, self.draft_tokens = speculate, draft_tokens
         self.messages: list[Message] = []
         self.raw_history: list[int] = []  # --raw: every prompt and generated token so far
@@ -326,6 +327,7 @@ class Session:
         self.last_choice = choice
         seed = self.sampling.seed if self.sampling.seed is not None else random.getrandbits(32)
         linear = self.cluster.model.state_layers  # their states cannot be cut back: keep one at documents_end
+        mode, _, draft_model = self.speculate.partition(":")
         request = GenerationRequest(
             tokens=new, keep_tokens=keep,
             max_tokens=answer_tokens,
@@ -336,7 +338,8 @@ class Session:
             keep_state_at=max(documents_end - keep, 0) if self.prefix_cache and linear else 0,
             shares=shares or (),
             top_logprobs=self.sampling.top_logprobs,
-            speculation="off" if self.speculate == "off" else "lookup", draft_tokens=self.draft_tokens,
+            speculation=mode if mode in ("off", "draft") else "lookup", draft_tokens=self.draft_tokens,
+            draft_model=draft_model,
         )
         turn = self.turn_index
         detok = self.tokenizer.detokenizer

@@ -26,7 +26,7 @@ from cpchat.checkpoints.ollama import is_ollama
 from cpchat.checkpoints.resolve import is_checkpoint, local_gguf
 from cpchat.client.hub import is_hub_id
 from cpchat.core.algorithms import ALGORITHMS
-from cpchat.core.lookup import MAX_DRAFT, SPECULATE
+from cpchat.core.lookup import MAX_DRAFT, SPECULATE, speculation_valid
 from cpchat.core.quantized_kv import BITS, GROUP_SIZES, QUANTIZED_KV_START, KVFormat
 from cpchat.core.sharding import Shares, integer_shares
 from cpchat.core.stages import Stages, parse_stages
@@ -157,9 +157,8 @@ def _set(settings: Settings, key: str, value: object, source: str) -> None:
         raise BadInput(f"setting quantized_kv_start from {source}: cannot be negative")
     if key == "threads" and value < 0:
         raise BadInput(f"setting threads from {source}: cannot be negative (0: share the cores out)")
-    if key == "speculate" and value not in SPECULATE:
-        hint = ": draft models are not supported yet" if value.startswith("draft:") else ""
-        raise BadInput(f"setting speculate from {source}: {value!r} is not {', '.join(SPECULATE)}{hint}")
+    if key == "speculate" and not speculation_valid(value):
+        raise BadInput(f"setting speculate from {source}: {value!r} is not {', '.join(SPECULATE)}")
     if key == "draft_tokens" and not 0 <= value <= MAX_DRAFT:
         raise BadInput(f"setting draft_tokens from {source}: {value} is not 1 to {MAX_DRAFT} (0: adaptive)")
     if key == "ranks" and value < 1:

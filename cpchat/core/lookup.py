@@ -17,7 +17,12 @@ import numpy as np
 MIN_MATCH = 1
 MAX_MATCH = 16
 MAX_DRAFT = 16  # the longest proposal
-SPECULATE = ("off", "lookup", "auto")  # --speculate
+SPECULATE = ("off", "lookup", "auto", "draft:MODEL")  # --speculate
+
+
+def speculation_valid(value: str) -> bool:
+    """One of SPECULATE, a draft model named after `draft:`."""
+    return value in SPECULATE[:-1] or (value.startswith("draft:") and len(value) > len("draft:"))
 
 
 def propose(tokens: np.ndarray, k: int) -> np.ndarray:

@@ -27,6 +27,7 @@ class Speculation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SPECULATION_OFF: _ClassVar[Speculation]
     SPECULATION_LOOKUP: _ClassVar[Speculation]
+    SPECULATION_DRAFT: _ClassVar[Speculation]
 
 class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,6 +45,7 @@ class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SHARD: _ClassVar[FrameKind]
     NEW_KV: _ClassVar[FrameKind]
     HIDDEN: _ClassVar[FrameKind]
+    DRAFT: _ClassVar[FrameKind]
 ALGORITHM_UNSPECIFIED: Algorithm
 PASS_KV: Algorithm
 PASS_Q: Algorithm
@@ -56,6 +58,7 @@ DECODE_LEAD: Decode
 DECODE_GATHER: Decode
 SPECULATION_OFF: Speculation
 SPECULATION_LOOKUP: Speculation
+SPECULATION_DRAFT: Speculation
 FRAME_KIND_UNSPECIFIED: FrameKind
 KV: FrameKind
 QUERY: FrameKind
@@ -70,6 +73,7 @@ STATE: FrameKind
 SHARD: FrameKind
 NEW_KV: FrameKind
 HIDDEN: FrameKind
+DRAFT: FrameKind
 
 class ConfigureRequest(_message.Message):
     __slots__ = ("rank", "addresses", "ring_id", "shm_endpoints", "data_plane_backend", "data_plane_addresses")
@@ -194,7 +198,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens", "decode", "save_prefix", "keep_state_at", "shares", "speculation", "draft_tokens")
+    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens", "decode", "save_prefix", "keep_state_at", "shares", "speculation", "draft_tokens", "draft_model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +212,7 @@ class GenerateRequest(_message.Message):
     SHARES_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     keep_tokens: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -221,7 +226,8 @@ class GenerateRequest(_message.Message):
     shares: _containers.RepeatedScalarFieldContainer[int]
     speculation: Speculation
     draft_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[Decode, str]] = ..., save_prefix: _Optional[bool] = ..., keep_state_at: _Optional[int] = ..., shares: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., draft_tokens: _Optional[int] = ...) -> None: ...
+    draft_model: str
+    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[Decode, str]] = ..., save_prefix: _Optional[bool] = ..., keep_state_at: _Optional[int] = ..., shares: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., draft_tokens: _Optional[int] = ..., draft_model: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("prefill", "token", "done", "progress")

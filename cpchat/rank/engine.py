@@ -25,6 +25,7 @@ from cpchat.rank.calibration import measure_prefill
 from cpchat.rank.context_parallel import LayerCall, RingPass, StepMeans, StepTiming
 from cpchat.rank.cpu_products import COPY_SHARE, keep_float32_weights
 from cpchat.rank.decode_loop import RANK_0_ALONE, DecodeLoop
+from cpchat.rank.draft import DraftModel, DraftModelError
 from cpchat.rank.forward import run_model
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.measures import MeasureStore
@@ -71,6 +72,8 @@ class Engine:
         self.unread: tuple[int, int] | None = None
         self.stage_waits: list[float] = []  # seconds this request's prefill waited for the stage before
         self.speculated = (0, 0, 0)  # the last answer's proposed and accepted tokens, and its decode steps
+        self.draft: DraftModel | None = None  # --speculate draft:MODEL, on the rank that samples
+        self.copy_budget = 0
 
     def load(self, path: str, kv_format: KVFormat = FULL_PRECISION, free_bytes: int = 0,
              place: Callable[[int], StagePlace] | None = None) -> ModelShape:
@@ -80,8 +83,10 @@ class Engine:
         self.model, self.info = load_model(path, kv_format, place, free_bytes)
         self.model_name = path
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-        if mx.default_device() == mx.cpu:
-            self.weight_bytes += keep_float32_weights(self.model, free_bytes // COPY_SHARE)
+        budget = free_bytes // COPY_SHARE if mx.default_device() == mx.cpu else 0
+        copies = keep_float32_weights(self.model, budget)
+        self.weight_bytes += copies
+        self.copy_budget = budget - copies  # left for a draft model's copies
         stage = self.info.place
         key = self.measures.key(self.info.structure, stage.first, stage.end, self.weight_bytes)
         self.prefill_cost, self.forward_memory = self.measures.measured(
@@ -287,6 +292,8 @@ class Engine:
                 self.kv.quantize()
 
         answer = DecodeLoop(self, req, world, ring, abort)
+        draft = self._draft(req.draft_model) if req.speculation == pb.SPECULATION_DRAFT and \
+            world.rank == answer.sampler else None
         saving = req.save_prefix and self.prefix.cache is not None
         try:
             t0 = time.perf_counter()
@@ -321,7 +328,7 @@ class Engine:
                                                          linear_layers=self.linear_summary(ring.size),
                                                          state_combine_ms=combine_ms,
                                                          stage_wait_ms=1000 * sum(self.stage_waits))))
-            speculation = Speculation(answer, quantize_at) if req.speculation else None
+            speculation = Speculation(answer, quantize_at, draft) if req.speculation else None
             try:
                 with answer.threads():
                     token = (speculation or answer).run(emit, first, stop, quantize_by)
@@ -341,6 +348,16 @@ class Engine:
         finally:
             for request_id in [req.request_id, *(f"{req.request_id}#{i}" for i in range(len(passes) - 1))]:
                 world.mailbox.forget(request_id)
+
+    def _draft(self, name: str) -> DraftModel:
+        """The draft model `name`, loaded at its first use and kept (this rank samples)."""
+        if self.draft is None or self.draft.name != name:
+            self.draft = None
+            try:
+                self.draft = DraftModel(name, self.copy_budget)
+            except DraftModelError as e:
+                raise BadRequest(str(e)) from None
+        return self.draft
 
     # ---- the prefix cache
 

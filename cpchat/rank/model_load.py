@@ -71,13 +71,9 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION,
     resolved on this machine) the layers `place` gives this rank of the model's, reading no other
     weights, and only if they fit the `free_bytes` it may hold (0: unchecked); install ring attention,
     and find out what each layer's attention needs."""
-    from mlx_lm.utils import _download
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
-    if is_checkpoint(name):  # a GGUF file, an Ollama model or a named one: converted on this machine
-        name = str(model_dir(name))
-    path, revision = (name, None) if Path(name).exists() else _split_revision(name)
-    local = Path(_download(path, revision=revision))
+    local = local_model(name)
     try:
         model, config = mlx_lm_load_model(local, lazy=True)
     except ValueError as e:
@@ -128,6 +124,17 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION,
     info.identity = model_identity(local, settings)
     info.structure = structure(config, model)
     return model, info
+
+
+def local_model(name: str) -> Path:
+    """The directory of an mlx-lm model on this machine: a GGUF file, an Ollama model or a named one
+    converted here, a hub id `ORG/NAME[@revision]` downloaded (or found in the hub's cache)."""
+    from mlx_lm.utils import _download
+
+    if is_checkpoint(name):
+        name = str(model_dir(name))
+    path, revision = (name, None) if Path(name).exists() else _split_revision(name)
+    return Path(_download(path, revision=revision))
 
 
 def structure(config: dict, model) -> str:

@@ -5,9 +5,10 @@ position (the seed of each answer position, as without proposals) and a proposal
 equals the sample. Greedy answers and the sampling distribution are those of one token a step.
 
 Every rank holds the conversation's token ids (cpchat.rank.prefix_keeper), so every rank makes the
-same proposals itself: only the sampling rank's decision crosses the ring, one frame a step as
-without proposals. Whatever the model did not keep is rolled back on every rank: K/V (a linear
-layer's state is restored from before the block and the kept tokens run again)."""
+same lookup proposals itself: only the sampling rank's decision crosses the ring, one frame a step as
+without proposals. A draft model (cpchat.rank.draft) runs on the sampling rank alone, which sends its
+proposals before each step. Whatever the model did not keep is rolled back on every rank: K/V (a
+linear layer's state is restored from before the block and the kept tokens run again)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from cpchat.core.lookup import DraftLength, propose
 from cpchat.protocol import cpchat_pb2 as pb
+from cpchat.rank.draft import DRAFT_TOKENS, DraftModel
 from cpchat.rank.sampling import sample, token_event
 from cpchat.rank.transport.ring import Aborted
 from cpchat.rank.transport.wire import BlockKey
@@ -32,9 +34,10 @@ class Speculation:
     """One answer's speculative decode on this rank, over `loop`'s steps; `quantize_at` the position
     from which the K/V turn quantized (a block never spans it: mlx-lm quantizes before a step)."""
 
-    def __init__(self, loop: DecodeLoop, quantize_at: int | None) -> None:
-        self.loop, self.quantize_at = loop, quantize_at
-        self.length = DraftLength(fixed=loop.req.draft_tokens)
+    def __init__(self, loop: DecodeLoop, quantize_at: int | None, draft: DraftModel | None = None) -> None:
+        self.loop, self.quantize_at, self.draft = loop, quantize_at, draft
+        self.drafted = loop.req.speculation == pb.SPECULATION_DRAFT  # proposals from the sampling rank
+        self.length = DraftLength(fixed=loop.req.draft_tokens or (DRAFT_TOKENS if self.drafted else 0))
         self.k = self.length.next()  # the next step's proposals at most: the sampling rank's choice
         self.unsent: np.ndarray | None = None  # a proposal not checked (k = 0), scored against what came
         self.timed = 0.0  # when the last plain step ended (a rank alone)
@@ -66,7 +69,7 @@ class Speculation:
                     break
                 continue
             start = held.total_tokens
-            block = [last.id, *self.proposals(last.id, index, start)]
+            block = [last.id, *self.proposals(last.id, index + 1, start)]
             quantize_by(start)
             states = dict(held.states.layers) if held.info.linear else {}
             began = time.perf_counter()
@@ -100,13 +103,26 @@ class Speculation:
         return self.k > 0
 
     def proposals(self, last: int, index: int, start: int) -> list[int]:
-        """What follows `last` (answer token `index`, at position `start`) in the conversation so far:
-        no more than the answer can still take, nor across the point where the K/V turn quantized."""
-        k = min(self.k, self.loop.req.max_tokens - index - 2)
+        """What follows `last` (at position `start`) in the conversation so far, for answer tokens
+        `index` on: no more than the answer can still take, nor across the point where the K/V turn
+        quantized."""
+        loop = self.loop
+        k = min(self.k, loop.req.max_tokens - index - 1)
         if self.quantize_at is not None and start < self.quantize_at:
             k = min(k, self.quantize_at - start - 1)
-        context = np.append(self.loop.held.prefix.tokens, np.uint32(last))
-        sampler = self.loop.world.rank == self.loop.sampler
+        context = np.append(loop.held.prefix.tokens, np.uint32(last))
+        sampler = loop.world.rank == loop.sampler
+        if self.drafted:
+            if k < 1:
+                return []
+            key = BlockKey(loop.req.request_id, 0, index, pb.DRAFT)
+            if not sampler:
+                return loop.world.take(key, loop.abort, loop.sampler)[0][0].tolist()
+            assert self.draft is not None
+            proposed = self.draft.propose(context, k)
+            if loop.world.size > 1:
+                loop.world.send_all(key, [mx.array(proposed, mx.uint32)], loop.world.peers)
+            return proposed
         self.unsent = propose(context, 1) if sampler and self.k == 0 and k >= 0 else None
         return propose(context, k).tolist() if k >= 1 else []
 

@@ -31,7 +31,7 @@ MAX_MESSAGE = CHUNK_BYTES + (64 << 10)  # one chunk and its header
 MAX_RING = 256  # ranks in one ring
 MAX_ID = 128  # characters in a request or ring id
 MAX_DIMS = 8
-WIND_DOWN_S = 5.0  # how long Configure waits for an aborted request to roll back
+WIND_DOWN_S = 5.0  # how long Configure or Generate waits for an aborted request to roll back
 CONTROL_SERVICE = pb.DESCRIPTOR.services_by_name["Control"].full_name
 # What grpc.health.v1.Health reports on: the whole server ("") and the Control service.
 HEALTH_CHECKED = ("", CONTROL_SERVICE)
@@ -78,7 +78,7 @@ def check_frame(f: pb.Frame, data_bytes: int, ring: Ring | None, ring_id: str, l
     elif f.kind == pb.HIDDEN:  # step: a position
         if f.layer >= layers:
             raise FrameError(f"layer {f.layer} outside the model's {layers} layers")
-    elif f.kind not in (pb.TOKEN, pb.PROBE, pb.NEW_KV):  # step: a token's index or position
+    elif f.kind not in (pb.TOKEN, pb.DRAFT, pb.PROBE, pb.NEW_KV):  # step: a token's index or position
         raise FrameError(f"unknown frame kind {f.kind}")
     if f.dtype not in DTYPES:
         raise FrameError(f"dtype {f.dtype!r} is not one of {', '.join(DTYPES)}")
@@ -181,7 +181,7 @@ class RankState:
                 check_backend(data_plane_backend)
             except ValueError as e:
                 raise BadRequest(str(e)) from None
-        if not self._acquire_for_configure():
+        if not self._acquire():
             raise NotNow(f"rank is busy with {self.activity}; it cannot join a new ring until that ends")
         try:
             plane = self._join_data_plane(data_plane_backend, rank, data_plane_addresses)
@@ -246,9 +246,9 @@ class RankState:
         return RingLink(ring_channel(address, self.tls_ca), self.ring_id, self.rank, address,
                         token_metadata(self.token))
 
-    def _acquire_for_configure(self) -> bool:
+    def _acquire(self) -> bool:
         """Take the rank at once if idle; wait a little only for a request that is already
-        aborting (its front end saw a failure and will re-form the ring right away)."""
+        aborting (its front end saw a failure, on this rank or another, and goes on right away)."""
         if self.busy.acquire(blocking=False):
             return True
         abort = self.abort
@@ -281,7 +281,7 @@ class RankState:
     def begin(self, request_id: str) -> threading.Event:
         if self.ring is None:
             raise NotNow("this rank is not part of a ring yet (Configure first)")
-        if not self.busy.acquire(blocking=False):
+        if not self._acquire():
             raise NotNow(f"rank is busy with {self.activity}; one generation at a time")
         self.abort, self.request_id, self.state = threading.Event(), request_id, "busy"
         self.activity = f"request {request_id}"
