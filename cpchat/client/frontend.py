@@ -45,22 +45,24 @@ class Frontend:
 
     def start(self, report: Report) -> str:
         """Launch or attach the ranks and load the model and its tokenizer; returns the model's
-        description ("" for an injected cluster)."""
+        description ("" for an injected cluster). The tokenizer and a draft model are checked first:
+        a draft of another tokenizer is refused before any rank starts."""
         description = ""
         if self.cluster is None:
             self.model_path, description = resolve_model(self.settings.model)
             self.tokenizer_dir = self._fetch(self.model_path, report)
+        assert self.model_path is not None
+        self.tokenizer = load_tokenizer(self.tokenizer_dir or self.model_path)
+        self.speculate = self._speculation(self.tokenizer, self.model_path, report)
+        if self.cluster is None:
             report("connect", 0, self.settings.ranks)
             cluster = connect_cluster(self.options, self.settings.ranks, self.settings.blas,
                                       rank_flags(self.settings), self.settings.threads)
             self.cluster, self.own_cluster = cluster, True
             if self.closing.is_set():
                 return description
-        assert self.model_path is not None
         if self.cluster.model is None:
             self._load(self.model_path, report)
-        self.tokenizer = load_tokenizer(self.tokenizer_dir or self.model_path)
-        self.speculate = self._speculation(self.tokenizer, self.model_path, report)
         return description
 
     def relaunch(self, report: Report) -> None:
