@@ -113,6 +113,13 @@ class ClusterPool:
         cluster.reset(0)
         return cluster
 
+    def saved(self) -> None:
+        """Wait until every running cluster's ranks have written the prefixes they are saving (a rank
+        answers FindPrefixes once its saves under way are on disk)."""
+        for cluster in self.clusters.values():
+            if all(r.local.process.poll() is None for r in cluster.ranks):
+                cluster.find_prefixes([0])
+
     def drop(self, ranks: int, transport: str = "auto") -> None:
         """Forget a cluster a test has broken on purpose."""
         cluster = self.clusters.pop((ranks, transport), None)

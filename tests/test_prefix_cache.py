@@ -70,7 +70,8 @@ def shard_files(cluster) -> list[Path]:
 
 
 @pytest.fixture
-def empty_cache():
+def empty_cache(clusters):
+    clusters.saved()  # a shared cluster's last save of an earlier test lands first
     shutil.rmtree(prefix_dir(), ignore_errors=True)
     yield prefix_dir()
 
