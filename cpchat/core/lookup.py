@@ -22,7 +22,7 @@ SPECULATE = ("off", "lookup", "auto", "draft:MODEL")  # --speculate
 
 def speculation_valid(value: str) -> bool:
     """One of SPECULATE, a draft model named after `draft:`."""
-    return value in SPECULATE[:-1] or (value.startswith("draft:") and len(value) > len("draft:"))
+    return value in SPECULATE or (value.startswith("draft:") and value != "draft:")
 
 
 def propose(tokens: np.ndarray, k: int) -> np.ndarray:

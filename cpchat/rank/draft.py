@@ -25,7 +25,6 @@ class DraftModel:
     `copy_budget` bytes (cpchat.rank.cpu_products): a draft's steps are one token each."""
 
     def __init__(self, name: str, copy_budget: int = 0) -> None:
-        from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.utils import load_model
 
         self.name = name
@@ -36,8 +35,7 @@ class DraftModel:
         if mx.default_device() == mx.cpu and use_float32_products(self.model):
             mx.eval(self.model(mx.array([[0]])))  # marks a tied embedding as the output head
             keep_float32_weights(self.model, copy_budget)
-        self._new_cache = lambda: make_prompt_cache(self.model)
-        self.cache = self._new_cache()
+        self.cache = self._empty_cache()
         self.read = np.zeros(0, np.uint32)  # the tokens its cache holds
 
     def propose(self, tokens: np.ndarray, k: int) -> list[int]:
@@ -65,8 +63,13 @@ class DraftModel:
             if can_trim_prompt_cache(self.cache):
                 trim_prompt_cache(self.cache, len(self.read) - shared)
             else:  # a state that cannot be cut back (a linear layer, a window that wrapped): read again
-                self.cache, shared = self._new_cache(), 0
+                self.cache, shared = self._empty_cache(), 0
         for a in range(shared, len(tokens) - 1, READ_CHUNK):
             self.model(mx.array(tokens[None, a:min(a + READ_CHUNK, len(tokens) - 1)]), cache=self.cache)
             mx.eval([c.state for c in self.cache])
         return self.model(mx.array(tokens[None, -1:]), cache=self.cache)
+
+    def _empty_cache(self) -> list:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)

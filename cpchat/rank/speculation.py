@@ -110,21 +110,25 @@ class Speculation:
         k = min(self.k, loop.req.max_tokens - index - 1)
         if self.quantize_at is not None and start < self.quantize_at:
             k = min(k, self.quantize_at - start - 1)
+        if self.drafted:
+            return self.drafted_proposals(last, index, k) if k >= 1 else []
         context = np.append(loop.held.prefix.tokens, np.uint32(last))
         sampler = loop.world.rank == loop.sampler
-        if self.drafted:
-            if k < 1:
-                return []
-            key = BlockKey(loop.req.request_id, 0, index, pb.DRAFT)
-            if not sampler:
-                return loop.world.take(key, loop.abort, loop.sampler)[0][0].tolist()
-            assert self.draft is not None
-            proposed = self.draft.propose(context, k)
-            if loop.world.size > 1:
-                loop.world.send_all(key, [mx.array(proposed, mx.uint32)], loop.world.peers)
-            return proposed
         self.unsent = propose(context, 1) if sampler and self.k == 0 and k >= 0 else None
         return propose(context, k).tolist() if k >= 1 else []
+
+    def drafted_proposals(self, last: int, index: int, k: int) -> list[int]:
+        """The draft model's `k` proposals after `last`: made on the sampling rank, which sends them to
+        the others."""
+        loop = self.loop
+        key = BlockKey(loop.req.request_id, 0, index, pb.DRAFT)
+        if loop.world.rank != loop.sampler:
+            return loop.world.take(key, loop.abort, loop.sampler)[0][0].tolist()
+        assert self.draft is not None
+        proposed = self.draft.propose(np.append(loop.held.prefix.tokens, np.uint32(last)), k)
+        if loop.world.size > 1:
+            loop.world.send_all(key, [mx.array(proposed, mx.uint32)], loop.world.peers)
+        return proposed
 
     def decide(self, block: list[int], logits: mx.array | None, index: int, began: float
                ) -> list[pb.TokenEvent]:
