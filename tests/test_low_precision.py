@@ -4,6 +4,7 @@ generation on the same checkpoint, and every logprob within 1.5x of mlx-lm's own
 noise (its logprobs in the checkpoint's dtype vs the same stored weights run in float32)."""
 
 import functools
+import itertools
 
 import pytest
 from helpers import next_turn, question_ids, raw_session, run_raw
@@ -125,14 +126,15 @@ def test_weight_products_run_in_float32_on_the_cpu(checkpoint, form):
 @pytest.mark.parametrize("form", ["bfloat16", "q4g64"])
 def test_speculative_decoding_in_low_precision(clusters, checkpoint, form):
     """The demo model as mlx_lm.convert makes it, quoting its document through 2 ranks with four proposals
-    a step, exchange and gather steps: mlx-lm's tokens, within its noise, proposals kept."""
+    a step (from lookup, and from the checkpoint as its own draft: float32 products from copies of its
+    weights), exchange and gather steps: mlx-lm's tokens, within its noise, proposals kept."""
     path = checkpoint(form)
     cluster = clusters.get(2, path)
     ids, _ = question_ids(path, seed=1)
-    for decode in ("exchange", "gather"):
+    for decode, speculate in itertools.product(("exchange", "gather"), ("lookup", f"draft:{path}")):
         cluster.reset(0)
         session = raw_session(cluster, path, "auto", MAX_TOKENS)
-        session.speculate, session.draft_tokens, session.planner.decode = "lookup", 4, decode
+        session.speculate, session.draft_tokens, session.planner.decode = speculate, 4, decode
         got, events = next_turn(session, ids)
         assert_within_noise(path, ids, got)
         speculated = next(e for e in events if isinstance(e, Done)).speculation

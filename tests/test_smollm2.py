@@ -195,18 +195,21 @@ def test_cpchat_model_smollm2_answers(smollm2, reference, tokenizer):
     assert result.stdout.strip() == tokenizer.decode([t for t, _ in answer]).strip()
 
 
-@pytest.mark.parametrize("ranks, decode", [(1, "exchange"), (2, "exchange"), (2, "gather")])
-def test_speculative_decoding_quotes_as_mlx_lm(clusters, smollm2, reference, tokenizer, ranks, decode):
+@pytest.mark.parametrize("ranks, decode, speculate", [(1, "exchange", "lookup"), (2, "exchange", "lookup"),
+                                                      (2, "gather", "lookup"), (2, "exchange", "draft")])
+def test_speculative_decoding_quotes_as_mlx_lm(clusters, smollm2, reference, tokenizer, ranks, decode,
+                                               speculate):
     """Asked to quote the sample document, the model copies a sentence of it (not the one asked for):
-    proposals from the document are kept, several tokens a step, and the answer is mlx-lm's without
-    speculation."""
+    proposals from the document (or from the model as its own draft) are kept, several tokens a step,
+    and the answer is mlx-lm's without speculation."""
     sample = (ROOT / "assets" / "sample-doc.txt").read_text(encoding="utf-8")
     text = tokenizer.decode(tokenizer.encode(sample, add_special_tokens=False)[:450])
     ids = chat_ids(tokenizer, text + "\n\nQuote the sentence about the Orion vault.")
     cluster = clusters.get(ranks, smollm2)
     cluster.reset(0)
     session = raw_session(cluster, smollm2, "auto", 32)
-    session.speculate, session.draft_tokens, session.planner.decode = "lookup", 4, decode
+    session.speculate = "lookup" if speculate == "lookup" else f"draft:{smollm2}"
+    session.draft_tokens, session.planner.decode = 4, decode
     got, events = next_turn(session, ids)
     assert_as_mlx_lm(got, reference, ids, 32)
     speculated = next(e for e in events if isinstance(e, Done)).speculation
