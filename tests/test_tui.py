@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
@@ -42,6 +43,7 @@ from cpchat.smallmodels import write_model
 from cpchat.tui import chat
 from cpchat.tui.app import CpchatApp
 from cpchat.tui.chat import ChatScreen
+from cpchat.tui.jobs import BackendJobs
 from cpchat.tui.screens import (
     AttachmentsScreen,
     AttachTyped,
@@ -522,16 +524,32 @@ def test_the_stage_map_is_a_grid_of_stages_by_context_ranks():
         "layers tokens →", "0–14   ●0 2100  ●1 12.3k ", "15–29  ●2 2100  ●3 0     "]
 
 
+def test_a_stats_stream_whose_screen_closed_before_it_started_ends(clusters, model):
+    """A screen may close before its stats worker runs; that stream must end all the same (one that
+    outlived its app held a thread of each rank's server for good: enough of them, and a Generate
+    waited for a thread that never came)."""
+    jobs = BackendJobs(None, lambda message: None)
+    stop = jobs.stats_stream()  # on the event loop, when the ranks are ready
+    jobs.stop_stats()  # the screen closed
+    worker = threading.Thread(target=jobs.follow_stats, args=(clusters.get(RANKS, model), stop), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+
+
 @pytest.mark.slow
 async def test_escape_stops_the_answer_and_keeps_it(make_app):
     app = make_app(max_tokens=100_000)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         app.chat.backend.session.sampling.ignore_eos = True  # an answer that cannot end before the Esc
-        app.query_one(ChatInput).load_text("Tell me everything.")
+        prompt = app.query_one(ChatInput)
+        prompt.load_text("Tell me everything.")
+        prompt.focus()
         await pilot.press("enter")
-        await until(pilot, lambda: app.chat.answer is not None and app.chat.answer.tokens >= 3,
-                    what="the first tokens")
+        await until(pilot, lambda: app.chat.conversation.entries, what="the turn to start")
+        await until(pilot, lambda: not app.chat.busy or app.chat.answer.tokens >= 3, what="the first tokens")
+        assert app.chat.busy, f"the turn ended first: {[n.message for n in app._notifications]}"
         await pilot.press("escape")
         await until(pilot, lambda: not app.chat.busy, timeout=20, what="the stop")
         answer = assistant_messages(app)[-1]

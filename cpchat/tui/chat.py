@@ -10,6 +10,7 @@ panels their arithmetic, the attachment bar its reading; the commands' table is 
 from __future__ import annotations
 
 import shlex
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -179,7 +180,7 @@ class ChatScreen(ConversationActions, Screen):
             if self._opened:
                 self.announce_history_cost(self._opened, len(self.conversation.entries))
                 self._opened = ""
-            self.follow_stats(backend.cluster)
+            self.follow_stats(backend.cluster, self.jobs.stats_stream())
             self.attachments.count_tokens()
 
     def on_backend_failed(self, message: m.BackendFailed) -> None:
@@ -190,8 +191,8 @@ class ChatScreen(ConversationActions, Screen):
         self.notify(message.message, severity="error", timeout=10)
 
     @work(thread=True, group="stats", exclusive=True, exit_on_error=False)
-    def follow_stats(self, cluster: Cluster) -> None:
-        self.jobs.follow_stats(cluster)
+    def follow_stats(self, cluster: Cluster, stop: threading.Event) -> None:
+        self.jobs.follow_stats(cluster, stop)
 
     def on_stats_arrived(self, message: m.StatsArrived) -> None:
         if not self.is_mounted:

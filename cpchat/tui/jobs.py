@@ -151,17 +151,24 @@ class BackendJobs:
 
     # ---- the ranks' stats
 
-    def follow_stats(self, cluster: Cluster) -> None:
-        """Forward the ranks' stats until stopped; they arrive only when something changed."""
-        self.stop_stats()  # end the previous cluster's stream, if any
-        stop = self._stats_stop = threading.Event()
+    def stats_stream(self) -> threading.Event:
+        """End the stats stream followed now and make the stop of the next one. Called on the event loop,
+        as `stop_stats` is: a stream whose worker starts after the screen closed is stopped too (made in
+        the worker, its stop would come after the screen's and the stream would outlive the app)."""
+        self._stats_stop.set()
+        self._stats_stop = threading.Event()
+        return self._stats_stop
+
+    def follow_stats(self, cluster: Cluster, stop: threading.Event) -> None:
+        """Forward the ranks' stats until `stop`; they arrive only when something changed."""
         try:
             for stats in cluster.stats(interval_s=0.25, stop=stop):
                 if stop.is_set():
                     break
                 self.post(StatsArrived(stats))
         except Exception as e:  # the stream of a dying cluster; the rows already show it
-            self.post(Notice(f"rank stats stopped: {e}", "warning"))
+            if not stop.is_set():
+                self.post(Notice(f"rank stats stopped: {e}", "warning"))
 
     def stop_stats(self) -> None:
         self._stats_stop.set()
