@@ -111,6 +111,21 @@ def question_ids(path, seed: int, n_questions: int = 1) -> tuple[list[int], list
 # ---- the `cpchat` command, as a user runs it
 
 
+def rank_holds(limit: int, model: Path | None = None, ranks: int = 1) -> int:
+    """What a rank launched under CPCHAT_MEMORY_LIMIT=`limit` (the caller sets it) holds, idle or with
+    `model` loaded: the limit less the memory it reports free (the least of `ranks`)."""
+    from cpchat.client.cluster import Cluster
+
+    cluster = Cluster.launch(ranks)
+    try:
+        cluster.connect()
+        if model is not None:
+            cluster.load(str(model))
+        return limit - min(cluster.free_memory())
+    finally:
+        cluster.close()
+
+
 def rank_processes(parent_pid: int) -> list[psutil.Process]:
     return ranks_started_with("--parent-pid", lambda value: value == str(parent_pid))
 

@@ -12,6 +12,7 @@ import pytest
 from cpchat import blas
 from cpchat.bench.cli import main as bench_main
 from cpchat.bench.compare_mlx_lm import exchange_wait_ms
+from cpchat.bench.speculation import best_steps
 from cpchat.client.launcher import rank_environment
 
 
@@ -240,3 +241,36 @@ def test_a_mistyped_list_is_refused_before_anything_runs(flag, value, capsys, tm
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"cpchat bench: {flag} {value}: expected a comma list of whole numbers"]
     assert not list(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+def test_the_best_draft_lengths_are_a_shortest_path_over_the_answer():
+    """Hand-computed: the answer repeats the prompt, so after its first token lookup proposes the rest."""
+    prompt = [1, 2, 3, 4, 5, 6]
+    assert best_steps(prompt, [1, 2, 3, 4, 5, 6], cost=0.0) == 1.0  # one check of all five
+    assert best_steps(prompt, [1, 2, 3, 4, 5, 6], cost=0.5) == 3.0  # 1 + 0.5 x 4: 5 tokens in one step
+    assert best_steps(prompt, [1, 2, 3, 4, 5, 6], cost=2.0) == 5.0  # a proposal dearer than a step: none
+    assert best_steps(prompt, [9, 8, 7], cost=0.1) == 2.0  # nothing to copy: plain steps
+    # [2, 3] copied after 1 and 8 sampled (1 + 0.5 x 2), then a plain step (8 occurred nowhere before)
+    assert best_steps(prompt, [1, 2, 3, 8, 4], cost=0.5) == 3.0
+
+
+@pytest.mark.slow
+def test_bench_speculation(tmp_path):
+    """--speculate off,lookup on the demo model at a tiny context, one rank: both modes give the same
+    answers; the lookup rows say what proposals cost and the most any draft lengths could give."""
+    out = tmp_path / "speculation"
+    result = subprocess.run(
+        [sys.executable, "-m", "cpchat", "bench", "--speculate", "off,lookup", "--contexts", "512",
+         "--ranks", "1", "--repeats", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((out / "speculation.json").read_text())["rows"]
+    assert [(r["question"], r["mode"]) for r in rows] == [
+        ("quotes", "off"), ("quotes", "lookup"), ("copies nothing", "off"), ("copies nothing", "lookup")]
+    assert all(r["same_answer"] for r in rows)
+    quote = rows[1]
+    assert quote["proposed"] and quote["accepted"] and quote["steps"] < quote["decided"]
+    assert quote["check_cost"] >= 0 and quote["best"] > 1  # the quote's proposals pay, for the best lengths
+    table = (out / "speculation.md").read_text()
+    assert "| best lengths | check cost |" in table and f"| {quote['best']:.2f}× |" in table

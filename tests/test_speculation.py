@@ -6,18 +6,31 @@ sampled answers are those of one token a step, seed for seed."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pytest
 from conftest import DEMO_MODEL
-from helpers import VARIANTS, assert_same, done_event, next_turn, question_ids, random_prompt, raw_session
+from helpers import (
+    VARIANTS,
+    assert_same,
+    done_event,
+    next_turn,
+    question_ids,
+    random_prompt,
+    rank_holds,
+    raw_session,
+)
 from references import MlxReference, reference_generate, reference_tokenizer
 
+from cpchat.client.cluster import Cluster
 from cpchat.client.events import Token
 from cpchat.core.lookup import MAX_DRAFT, DraftLength, propose
 from cpchat.core.quantized_kv import KVFormat
 from cpchat.core.stages import Stages
 from cpchat.errors import BadInput
-from cpchat.rank.draft import DraftModel
+from cpchat.rank.draft import DraftModel, DraftModelError
 from cpchat.smallmodels import write_model
 
 MAX_TOKENS = 24
@@ -60,6 +73,26 @@ def test_the_draft_length_follows_what_holds_and_what_a_step_costs():
     d.record(2, 0, seconds=0.1)  # checked as fast as a plain step: still a cost, if a small one
     assert d.cost == pytest.approx(0.8 * 0.06 + 0.2 * DraftLength.MIN_COST)
     assert DraftLength(fixed=5).next() == 5
+
+
+def test_the_cost_of_a_proposal_is_estimated_from_the_first_plain_step():
+    """Before any check, what a proposed token adds to a step (by the rank's measured forward cost) over
+    a plain step's time; then the checks' own times."""
+    d = DraftLength(query_s=0.004)
+    assert d.next() == 0  # no plain step timed yet: a quarter step a token
+    d.record(0, 0, seconds=0.1)
+    assert d.cost == pytest.approx(0.04)
+    assert d.next() == 2  # at 4 % a token even a = 1/4 pays: (1 + a + a^2) / 1.08 beats (1 + a) / 1.04
+    d.record(0, 0, seconds=0.1)
+    assert d.cost == pytest.approx(0.04)  # a mean of plain steps, 0.1 s
+    d.record(1, 0, seconds=0.11)  # a check measured: 10 % a token
+    assert d.cost == pytest.approx(0.1)
+    d.record(0, 0, seconds=0.05)
+    assert d.cost == pytest.approx(0.1)  # measured: the estimate no longer counts
+    assert DraftLength(query_s=1e-6).cost == 0.25 and DraftLength(query_s=1e-6).next() == 0
+    d = DraftLength(query_s=1e-6)
+    d.record(0, 0, seconds=0.1)
+    assert d.cost == DraftLength.MIN_COST  # never below what one step's noise allows
 
 
 def answer(cluster, path, ids, decode="auto", draft_tokens=0, max_tokens=MAX_TOKENS, speculate="lookup",
@@ -228,6 +261,53 @@ def test_a_draft_model_the_rank_cannot_load_is_refused_by_name(clusters, model_d
         next_turn(session, phrase)
     session.speculate = "lookup"
     assert_same(next_turn(session, phrase)[0], reference_generate(path, phrase, MAX_TOKENS))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_a_draft_model_counts_what_it_would_hold(model_dir, arch):
+    """Its weights are refused before they are read where they take more than the rank may hold, and a
+    conversation whose K/V it could not hold is refused by name; what a token adds is its K and V in
+    every attention layer (a hybrid's linear layers keep a state of one size)."""
+    path = model_dir(arch)
+    config = json.loads((path / "config.json").read_text())
+    with pytest.raises(DraftModelError, match=rf"draft model {re.escape(str(path))}: its weights take "):
+        DraftModel(str(path), free=1000)
+    draft = DraftModel(str(path))
+    heads, dim = config["num_key_value_heads"], config.get("head_dim") or config["hidden_size"] // \
+        config["num_attention_heads"]
+    attention = config["num_hidden_layers"] // config.get("full_attention_interval", 1)
+    assert draft.token_bytes == attention * 2 * heads * dim * 4  # float32 K and V
+    draft.check_room(100, 100 * draft.token_bytes)
+    with pytest.raises(DraftModelError, match=r"its K/V of 101 tokens take .* but this rank may hold"):
+        draft.check_room(101, 100 * draft.token_bytes)
+    draft.propose(np.arange(3, 53, dtype=np.uint32), 1)  # 50 tokens read: only the rest is counted
+    draft.check_room(150, 100 * draft.token_bytes)
+
+
+@pytest.mark.slow
+def test_a_draft_model_the_rank_cannot_hold_is_refused_by_name(tmp_path, model_dir, monkeypatch):
+    """A rank whose memory holds the model but not its draft's weights: one line naming the draft, before
+    any of it is read, and the rank goes on answering without it."""
+    path = model_dir("llama")
+    draft = write_model(tmp_path / "wide", "llama", num_layers=4, hidden_size=1024, num_heads=16)
+    weights = sum(f.stat().st_size for f in draft.glob("*.safetensors"))
+    monkeypatch.setenv("CPCHAT_MEMORY_LIMIT", str(4 * weights))
+    monkeypatch.setenv("CPCHAT_MEMORY_LIMIT", str(rank_holds(4 * weights, path) + weights // 4))
+    cluster = Cluster.launch(1)
+    try:
+        cluster.connect()
+        cluster.load(str(path))
+        session = raw_session(cluster, path, "auto", MAX_TOKENS)
+        session.speculate = f"draft:{draft}"
+        phrase = random_prompt(path, 10, seed=5)
+        refusal = rf"draft model {re.escape(str(draft))}: its weights take [\d.]+ MiB but this rank may hold"
+        with pytest.raises(BadInput, match=refusal):
+            next_turn(session, phrase)
+        assert cluster.stats_once()[0].mlx_peak_bytes < weights // 4  # none of it read
+        session.speculate = "lookup"
+        assert_same(next_turn(session, phrase)[0], reference_generate(path, phrase, MAX_TOKENS))
+    finally:
+        cluster.close()
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

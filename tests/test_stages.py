@@ -18,6 +18,7 @@ from helpers import (
     prefill_event,
     question_ids,
     random_prompt,
+    rank_holds,
     raw_session,
     run,
     run_raw,
@@ -267,13 +268,7 @@ def test_a_model_no_rank_holds_is_refused_before_it_is_read_and_auto_splits_it(t
     path = write_model(tmp_path / "wide", "llama", num_layers=6, hidden_size=1024, num_heads=16)
     weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     monkeypatch.setenv("CPCHAT_MEMORY_LIMIT", str(4 * weights))
-    cluster = Cluster.launch(2)
-    try:
-        cluster.connect()
-        held = 4 * weights - min(cluster.free_memory())  # what an idle rank holds
-    finally:
-        cluster.close()
-    monkeypatch.setenv("CPCHAT_MEMORY_LIMIT", str(held + int(0.8 * weights)))
+    monkeypatch.setenv("CPCHAT_MEMORY_LIMIT", str(rank_holds(4 * weights, ranks=2) + int(0.8 * weights)))
     cluster = Cluster.launch(2)
     try:
         cluster.connect()

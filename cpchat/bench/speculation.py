@@ -13,13 +13,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from cpchat.bench.prefix_cache import bench_model, sample_document
 from cpchat.bench.report import machine, write_report
 from cpchat.client.cluster import Cluster
 from cpchat.client.draft import resolve_speculation
 from cpchat.client.events import Done, Token
 from cpchat.client.session import SamplingOptions, Session, load_tokenizer
-from cpchat.core.lookup import SPECULATE, speculation_valid
+from cpchat.core.lookup import MAX_DRAFT, SPECULATE, propose, speculation_valid
 from cpchat.errors import BadInput
 from cpchat.rank.transport.ring import LINK_DELAY_ENV
 
@@ -43,6 +45,9 @@ class SpeculationRow:
     proposed: int = 0
     accepted: int = 0
     same_answer: bool = True  # as the first mode's
+    check_cost: float | None = None  # a proposal's share of a plain step's time, from this row and off's
+    best: float | None = None  # the speed-up the best draft lengths would give with these proposals
+    answer: list[int] = field(default_factory=list)  # the first run's token ids (with its end, if it ended)
 
     @property
     def median(self) -> float:
@@ -113,7 +118,31 @@ def compare_modes(cluster: Cluster, tokenizer, document, question: str, kind: st
             row.steps = done.speculation.steps or row.decided
             row.proposed, row.accepted = done.speculation.proposed, done.speculation.accepted
             row.same_answer &= answers.setdefault("first", answer) == answer
+    off = rows.get("off")
+    ended = [tokenizer.eos_token_id] if len(answers["first"]) < args.decode else []
+    for mode, row in rows.items():
+        row.answer = answers["first"] + ended
+        if off is not None and mode == "lookup" and row.proposed and off.median and row.median:
+            plain_s, decode_s = 1 / off.median, (row.answer_tokens - 1) / row.median
+            row.check_cost = max((decode_s / plain_s - row.steps) / row.proposed, 0.0)
+            row.best = row.decided / best_steps(tokens, row.answer, row.check_cost)
     return list(rows.values())
+
+
+def best_steps(prompt: list[int], answer: list[int], cost: float) -> float:
+    """The least time, in plain steps, in which steps checking lookup proposals decide `answer` after its
+    first token, where a step checking k proposals takes 1 + cost k: the draft lengths an oracle would
+    choose, knowing the answer (a shortest path over the answer's positions)."""
+    best = [0.0] + [float("inf")] * (len(answer) - 1)
+    tokens = np.array(prompt + answer, np.uint32)
+    for i in range(1, len(answer)):  # answer[:i] decided: the step's block begins with answer[i - 1]
+        proposal = propose(tokens[:len(prompt) + i], MAX_DRAFT)
+        ahead = answer[i:i + len(proposal)]
+        agree = next((j for j, (p, a) in enumerate(zip(proposal, ahead, strict=False)) if p != a), len(ahead))
+        for k in range(MAX_DRAFT + 1):
+            reached = min(i + min(k, agree) + 1, len(answer))
+            best[reached - 1] = min(best[reached - 1], best[i - 1] + 1 + cost * k)
+    return best[-1]
 
 
 def report_lines(rows: list[SpeculationRow], modes: list[str], command: str, model: Path, args,
@@ -123,19 +152,25 @@ def report_lines(rows: list[SpeculationRow], modes: list[str], command: str, mod
     lines = ["# cpchat bench --speculate", "", f"Command: `{command}`  ",
              f"Model: `{model.name}`; {args.repeats} repeat(s), the median; greedy answers of up to "
              f"{args.decode} tokens{delay}; {os.cpu_count()} cores; took {seconds:.0f} s.", "",
-             "| context | ranks | answer | mode | decode tok/s | vs off | tokens a step | proposed "
-             "| accepted | answer tokens | same answer |",
-             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| context | ranks | answer | mode | decode tok/s | vs off | best lengths | check cost "
+             "| tokens a step | proposed | accepted | answer tokens | same answer |",
+             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     lines[-2:-2] = ["`answer` names the question asked: one whose answer quotes the document, or one",
                     "whose answer need not (the demo model may still quote a fact it should not). Tokens a",
                     "step: those the decode steps decided (the answer's after its first, and the end of",
-                    "sequence) over the steps.", ""]
+                    "sequence) over the steps. Check cost: what each proposal checked added to a plain step,",
+                    "as a share of it (from this row's time and steps and off's). Best lengths: the speed-up",
+                    "if every step had proposed the number of tokens that pays best, knowing the answer (the",
+                    "same proposals, the same check cost): what no choice of draft lengths can beat.", ""]
     off = {(r.context, r.ranks, r.question): r.median for r in rows if r.mode == "off"}
     for r in rows:
         base = off.get((r.context, r.ranks, r.question))
         ratio = f"{r.median / base:.2f}×" if base and r.mode != "off" else ""
         per_step = r.decided / r.steps if r.steps else 0.0
+        best = f"{r.best:.2f}×" if r.best is not None else ""
+        cost = f"{r.check_cost:.2f}" if r.check_cost is not None else ""
         lines.append(f"| {r.context:,} | {r.ranks} | {r.question} | {r.mode} | {r.median:.1f} | {ratio} "
+                     f"| {best} | {cost} "
                      f"| {per_step:.2f} | {r.proposed} | {r.accepted} | {r.answer_tokens} "
                      f"| {'yes' if r.same_answer else 'NO'} |")
     return lines

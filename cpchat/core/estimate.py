@@ -48,6 +48,11 @@ class PrefillCost:
         """Every time `factor` times as long (a rank that shares its cores)."""
         return PrefillCost(*(factor * seconds for seconds in astuple(self)))
 
+    def query_s(self, keys: int) -> float:
+        """What one more query adds to a forward over `keys` keys held: its share of the weights' work
+        and its attention (a speculative check's cost a proposed token)."""
+        return self.per_token_s + self.per_pair_s * keys
+
     def rank_seconds(self, tokens: int, pairs: tuple[int, int]) -> float:
         """A rank's prefill of `tokens` queries that compute `pairs` (rank_pairs') in its tiles."""
         visible, masked = pairs

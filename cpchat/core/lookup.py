@@ -56,16 +56,19 @@ class DraftLength:
     """How many tokens to propose next: `fixed` if set (--draft-tokens), else the k that gives the most
     tokens a second. A step that checks k proposals takes (1 + cost k) times a plain step, and gives
     1 + a + a^2 + ... + a^k tokens where each proposal holds with probability a; both are measured on
-    the answer's own steps, recent ones weighing most (a quote begins and ends), from a prior of a = 1/4
-    (no proposal until one held) and a cost of a quarter step a token (on a CPU a token costs 5-30 % of
-    a step, the more the longer the context: measured at the first check). k at most doubles on what
-    the last check kept, so that one lucky check does not bring a long one. A proposal not sent (k = 0)
-    is still scored against the token the step made, so that the next quote is noticed."""
+    the answer's own steps, recent ones weighing most (a quote begins and ends), from a prior of a = 1/4.
+    The cost starts at a quarter step a token; from the first plain step on it is `query_s` (what a
+    proposed token adds to a step, by the rank's measured forward cost) over that step's time, and from
+    the first check on the checks' own times (on a CPU a token costs 2-30 % of a step, the more the
+    longer the context). k at most doubles on what the last check kept, so that one lucky check does not
+    bring a long one. A proposal not sent (k = 0) is still scored against the token the step made, so
+    that the next quote is noticed."""
 
     fixed: int = 0
     held: float = 0.5  # decayed counts: proposals that held, and those that did not
     missed: float = 1.5
     cost: float = 0.25  # each proposed token's share of a plain step's time
+    query_s: float = 0.0  # seconds a proposed token adds to a step, estimated (0: unknown)
     costed: bool = False  # whether `cost` was measured yet
     plain_s: float = 0.0  # a plain step's time, decayed mean (0: none seen yet)
     last_held: int = 0  # of the last proposals checked or scored
@@ -92,6 +95,8 @@ class DraftLength:
             return
         if not proposed:
             self.plain_s = self._mean(self.plain_s, seconds) if self.plain_s else seconds
+            if self.query_s and not self.costed:
+                self.cost = max(self.query_s / self.plain_s, self.MIN_COST)
         elif self.plain_s:
             cost = max(seconds / self.plain_s - 1, self.MIN_COST * proposed) / proposed
             self.cost, self.costed = self._mean(self.cost, cost) if self.costed else cost, True

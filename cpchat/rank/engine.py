@@ -16,7 +16,7 @@ from cpchat.core.algorithms import BY_NAME
 from cpchat.core.estimate import PrefillCost
 from cpchat.core.memory import ForwardMemory
 from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat, quantized_from
-from cpchat.core.sharding import Shares, head_tail_layout, owner_of, owners
+from cpchat.core.sharding import Shares, head_tail_layout, owner_of, owners, rank_tokens
 from cpchat.core.stages import pipeline_cuts
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank import gathered, linear_layers
@@ -29,6 +29,7 @@ from cpchat.rank.draft import DraftModel, DraftModelError
 from cpchat.rank.forward import run_model
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.measures import MeasureStore
+from cpchat.rank.memory import free_bytes
 from cpchat.rank.model_load import ModelShape, load_model
 from cpchat.rank.prefix_cache import CacheMiss, Found
 from cpchat.rank.prefix_keeper import PrefixKeeper
@@ -73,6 +74,7 @@ class Engine:
         self.stage_waits: list[float] = []  # seconds this request's prefill waited for the stage before
         self.speculated = (0, 0, 0)  # the last answer's proposed and accepted tokens, and its decode steps
         self.draft: DraftModel | None = None  # --speculate draft:MODEL, on the rank that samples
+        self.memory_limit: int | None = None  # bytes this process may hold in all (--memory-limit)
         self.copy_budget = 0
 
     def load(self, path: str, kv_format: KVFormat = FULL_PRECISION, free_bytes: int = 0,
@@ -292,7 +294,7 @@ class Engine:
                 self.kv.quantize()
 
         answer = DecodeLoop(self, req, world, ring, abort)
-        draft = self._draft(req.draft_model) if req.speculation == pb.SPECULATION_DRAFT and \
+        draft = self._draft(req, ring) if req.speculation == pb.SPECULATION_DRAFT and \
             world.rank == answer.sampler else None
         saving = req.save_prefix and self.prefix.cache is not None
         try:
@@ -328,7 +330,8 @@ class Engine:
                                                          linear_layers=self.linear_summary(ring.size),
                                                          state_combine_ms=combine_ms,
                                                          stage_wait_ms=1000 * sum(self.stage_waits))))
-            speculation = Speculation(answer, quantize_at, draft) if req.speculation else None
+            speculation = (Speculation(answer, quantize_at, draft, self.prefill_cost.query_s(len(self.kv)))
+                           if req.speculation else None)
             try:
                 with answer.threads():
                     token = (speculation or answer).run(emit, first, stop, quantize_by)
@@ -349,14 +352,21 @@ class Engine:
             for request_id in [req.request_id, *(f"{req.request_id}#{i}" for i in range(len(passes) - 1))]:
                 world.mailbox.forget(request_id)
 
-    def _draft(self, name: str) -> DraftModel:
-        """The draft model `name`, loaded at its first use and kept (this rank samples)."""
-        if self.draft is None or self.draft.name != name:
-            self.draft = None
-            try:
-                self.draft = DraftModel(name, self.copy_budget)
-            except DraftModelError as e:
-                raise BadRequest(str(e)) from None
+    def _draft(self, req: pb.GenerateRequest, ring: Ring) -> DraftModel:
+        """The request's draft model, loaded at its first use and kept (this rank samples), if it and
+        its K/V of the whole conversation fit beside this request's own (refused by name otherwise)."""
+        name, tokens = req.draft_model, req.keep_tokens + len(req.tokens) + req.max_tokens
+        mine = rank_tokens(len(req.tokens), ring.size, _shares(req))[ring.rank] + req.max_tokens // ring.size
+        first = self.info.first_attention
+        own = mine * self.info.attention_layers * first.key_heads * (first.key_dim + first.value_dim) \
+            * self.info.bytes_per_element
+        try:
+            if self.draft is None or self.draft.name != name:
+                self.draft = None
+                self.draft = DraftModel(name, self.copy_budget, max(free_bytes(self.memory_limit) - own, 1))
+            self.draft.check_room(tokens, free_bytes(self.memory_limit) - own)
+        except DraftModelError as e:
+            raise BadRequest(str(e)) from None
         return self.draft
 
     # ---- the prefix cache

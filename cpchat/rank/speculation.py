@@ -32,12 +32,15 @@ if TYPE_CHECKING:
 
 class Speculation:
     """One answer's speculative decode on this rank, over `loop`'s steps; `quantize_at` the position
-    from which the K/V turn quantized (a block never spans it: mlx-lm quantizes before a step)."""
+    from which the K/V turn quantized (a block never spans it: mlx-lm quantizes before a step);
+    `query_s` what a proposed token adds to a step here, estimated (DraftLength)."""
 
-    def __init__(self, loop: DecodeLoop, quantize_at: int | None, draft: DraftModel | None = None) -> None:
+    def __init__(self, loop: DecodeLoop, quantize_at: int | None, draft: DraftModel | None = None,
+                 query_s: float = 0.0) -> None:
         self.loop, self.quantize_at, self.draft = loop, quantize_at, draft
         self.drafted = loop.req.speculation == pb.SPECULATION_DRAFT  # proposals from the sampling rank
-        self.length = DraftLength(fixed=loop.req.draft_tokens or (DRAFT_TOKENS if self.drafted else 0))
+        self.length = DraftLength(fixed=loop.req.draft_tokens or (DRAFT_TOKENS if self.drafted else 0),
+                                  query_s=query_s)
         self.k = self.length.next()  # the next step's proposals at most: the sampling rank's choice
         self.unsent: np.ndarray | None = None  # a proposal not checked (k = 0), scored against what came
         self.timed = 0.0  # when the last plain step ended (a rank alone)
