@@ -26,10 +26,10 @@ class DraftModelError(ValueError):
 class DraftModel:
     """On the CPU its low-precision weights multiply in float32, from float32 copies where they fit
     `copy_budget` bytes (cpchat.rank.cpu_products): a draft's steps are one token each. Weights that
-    take more than the `free` bytes this rank may still hold (0: unchecked) are refused before any is
-    read."""
+    take more than the `free` bytes this rank may still hold (None: unchecked) are refused before any
+    is read."""
 
-    def __init__(self, name: str, copy_budget: int = 0, free: int = 0) -> None:
+    def __init__(self, name: str, copy_budget: int = 0, free: int | None = None) -> None:
         from mlx_lm.utils import load_model
 
         self.name = name
@@ -38,7 +38,7 @@ class DraftModel:
         except (OSError, ValueError, KeyError) as e:
             raise DraftModelError(f"draft model {name}: {e}") from None
         weights = sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
-        if free and weights > free:
+        if free is not None and weights > free:
             raise DraftModelError(f"draft model {name}: its weights take {human_bytes(weights)} but this "
                                   f"rank may hold {human_bytes(free)} more")
         mx.eval(self.model.parameters())

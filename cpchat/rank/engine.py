@@ -52,7 +52,7 @@ def _shares(req: pb.GenerateRequest) -> Shares | None:
 class Engine:
     """A loaded model plus this rank's KV shard; runs one request at a time."""
 
-    def __init__(self, measures: MeasureStore | None = None) -> None:
+    def __init__(self, measures: MeasureStore | None = None, memory_limit: int | None = None) -> None:
         self.model = None
         self.info: ModelShape | None = None
         self.kv: KVShard | None = None
@@ -74,18 +74,19 @@ class Engine:
         self.stage_waits: list[float] = []  # seconds this request's prefill waited for the stage before
         self.speculated = (0, 0, 0)  # the last answer's proposed and accepted tokens, and its decode steps
         self.draft: DraftModel | None = None  # --speculate draft:MODEL, on the rank that samples
-        self.memory_limit: int | None = None  # bytes this process may hold in all (--memory-limit)
+        self.memory_limit = memory_limit  # bytes this process may hold in all (--memory-limit)
         self.copy_budget = 0
 
-    def load(self, path: str, kv_format: KVFormat = FULL_PRECISION, free_bytes: int = 0,
+    def load(self, path: str, kv_format: KVFormat = FULL_PRECISION,
              place: Callable[[int], StagePlace] | None = None) -> ModelShape:
-        """Load a model (the layers `place` gives this rank); on the CPU, with float32 copies of its
-        low-precision weights where they take at most 1/COPY_SHARE of the `free_bytes` the rank may
-        use (cpchat.rank.cpu_products)."""
-        self.model, self.info = load_model(path, kv_format, place, free_bytes)
+        """Load a model (the layers `place` gives this rank) if its weights fit what the rank may hold;
+        on the CPU, with float32 copies of its low-precision weights where they take at most
+        1/COPY_SHARE of that (cpchat.rank.cpu_products)."""
+        free = free_bytes(self.memory_limit)
+        self.model, self.info = load_model(path, kv_format, place, free)
         self.model_name = path
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-        budget = free_bytes // COPY_SHARE if mx.default_device() == mx.cpu else 0
+        budget = free // COPY_SHARE if mx.default_device() == mx.cpu else 0
         copies = keep_float32_weights(self.model, budget)
         self.weight_bytes += copies
         self.copy_budget = budget - copies  # left for a draft model's copies
@@ -357,14 +358,12 @@ class Engine:
         its K/V of the whole conversation fit beside this request's own (refused by name otherwise)."""
         name, tokens = req.draft_model, req.keep_tokens + len(req.tokens) + req.max_tokens
         mine = rank_tokens(len(req.tokens), ring.size, _shares(req))[ring.rank] + req.max_tokens // ring.size
-        first = self.info.first_attention
-        own = mine * self.info.attention_layers * first.key_heads * (first.key_dim + first.value_dim) \
-            * self.info.bytes_per_element
+        free = free_bytes(self.memory_limit) - mine * self.info.kv_bytes_per_token
         try:
             if self.draft is None or self.draft.name != name:
                 self.draft = None
-                self.draft = DraftModel(name, self.copy_budget, max(free_bytes(self.memory_limit) - own, 1))
-            self.draft.check_room(tokens, free_bytes(self.memory_limit) - own)
+                self.draft = DraftModel(name, self.copy_budget, free)
+            self.draft.check_room(tokens, free)
         except DraftModelError as e:
             raise BadRequest(str(e)) from None
         return self.draft

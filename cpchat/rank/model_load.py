@@ -56,6 +56,12 @@ class ModelShape:
         return next(layer for layer in self.layers if isinstance(layer, LayerAttention))
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values one token takes in this rank's attention layers, at full precision."""
+        return sum(layer.key_heads * (layer.key_dim + layer.value_dim) * layer.dtype_bytes
+                   for layer in self.layers if isinstance(layer, LayerAttention))
+
+    @property
     def attention_layers(self) -> int:
         """Layers this rank keeps keys and values for."""
         return sum(isinstance(layer, LayerAttention) for layer in self.layers)

@@ -79,8 +79,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                 kv_format = KVFormat(request.kv_bits, request.kv_group_size or FULL_PRECISION.group_size,
                                      request.quantized_kv_start)
                 place = self.s.stage_place(request.stages, tuple(request.stage_layers))
-                info = self.s.on_mlx(self.s.engine.load, request.model, kv_format,
-                                     free_bytes(self.s.memory_limit), place)
+                info = self.s.on_mlx(self.s.engine.load, request.model, kv_format, place)
             except UnsupportedModel as e:
                 self.s.state = "ready" if self.s.engine.model is not None else "idle"  # the old model stays
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,

@@ -110,8 +110,7 @@ class RankState:
         self.token = token
         self.tls_ca = tls_ca
         self.memory_limit = memory_limit  # bytes this process may hold in all (--memory-limit)
-        self.engine = Engine()
-        self.engine.memory_limit = memory_limit
+        self.engine = Engine(memory_limit=memory_limit)
         self.rank = 0
         self.addresses: list[str] = []
         self.ring_id = ""

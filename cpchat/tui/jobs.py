@@ -155,7 +155,7 @@ class BackendJobs:
         """End the stats stream followed now and make the stop of the next one. Called on the event loop,
         as `stop_stats` is: a stream whose worker starts after the screen closed is stopped too (made in
         the worker, its stop would come after the screen's and the stream would outlive the app)."""
-        self._stats_stop.set()
+        self.stop_stats()
         self._stats_stop = threading.Event()
         return self._stats_stop
 
