@@ -99,6 +99,7 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="prompt tokens: 32768, 32K, 1M (K = 1024)")
     add_cluster_flags(p)
     p.add_argument("--max-tokens", type=int, default=None, help="the answer's tokens (default 256)")
+    add_speculation_flags(p)
     p.add_argument("--paper", metavar="HOSTS", default=None,
                    help="plan on paper for hosts that are not here, given by their memory: 8x64G or "
                         "64G,64G,32G (no ranks start; the model's weights need not be here, its "
@@ -168,7 +169,8 @@ def run_plan(argv: list[str]) -> int:
         front = Frontend(settings, cluster_options(args), say=lambda line: print(line, file=sys.stderr))
         front.start(lambda phase, done, total: None)
         planner = Planner(front.cluster, settings.algorithm, shares=settings.shares)
-        plan = make_plan(planner, args.context, settings.max_tokens)
+        mode, _, draft = front.speculate.partition(":")
+        plan = make_plan(planner, args.context, settings.max_tokens, draft if mode == "draft" else "")
         for line in plan_lines(plan, settings.model or "the demo model"):
             print(line)
         return 1 if plan.refusal else EXIT_OK

@@ -122,6 +122,21 @@ def test_more_stages_are_suggested_where_the_weights_they_free_would_hold_it():
     assert refused is not None and "--stages" not in str(refused)
 
 
+def test_a_draft_model_s_k_v_count_on_the_rank_that_samples():
+    """--speculate draft:MODEL: the first rank (it samples) also holds the draft's K/V of the conversation;
+    where only those make it short, the refusal says that lookup would hold it."""
+    needs = prefill_needs(WORKLOAD, "pass_kv", FORWARD, [0, 0], 16)
+    drafted = prefill_needs(WORKLOAD, "pass_kv", FORWARD, [0, 0], 16, draft_bytes=5e6)
+    assert drafted[0].total == needs[0].total + 5e6 and drafted[1].total == needs[1].total
+    free = [int(needs[0].total) + (1 << 20)] * 2
+    assert shortfall(WORKLOAD, "pass_kv", FORWARD, free, 16, ["r", "r"]) is None
+    refused = shortfall(WORKLOAD, "pass_kv", FORWARD, free, 16, ["r", "r"], draft_bytes=5e6)
+    assert refused is not None and refused.need.rank == 0
+    assert "its draft model's K/V take 4.8 MiB: --speculate lookup would hold it" in str(refused)
+    refused = shortfall(WORKLOAD, "pass_kv", FORWARD, [free[0] // 2] * 2, 16, ["r", "r"], draft_bytes=5e6)
+    assert refused is not None and "--speculate" not in str(refused)
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_the_limit_of_this_processes_own_cgroup_and_those_above_it_counts(tmp_path, version):
     """/proc/self/cgroup names the group: its limit, or a parent's, bounds what a rank may hold, not
@@ -185,6 +200,34 @@ def test_a_prompt_no_rank_can_hold_is_refused_before_any_rank_allocates(limited,
     # and what fits is served on the same ranks
     got, _ = next_turn(session, [7] * 300)
     assert len(got) == 4
+
+
+def test_a_draft_model_is_counted_before_the_prefill_and_in_the_plan(limited, model_dir):
+    """The front end loads the draft on the rank that samples (rank 0 here) and counts its weights and
+    its K/V of the prompt and answer there: a prompt the ranks hold without a draft but not with one
+    is refused before any rank allocates, naming the draft's share; `cpchat plan` shows it on rank 0."""
+    path = model_dir("llama")
+    session = raw_session(limited, path, "pass_kv", max_tokens=4)
+    session.planner.shares = "equal"  # (auto shares would give rank 1 more of a prompt rank 0 cannot hold)
+    plain = too_long(limited, session)
+    held = limited.load_draft(str(path))
+    assert held.weight_bytes > 0 and held.token_bytes > 0
+    tokens = next(t for t in range(plain // 2, plain, 256)
+                  if session.planner.memory_shortfall(t, 0, "pass_kv", 4, str(path)) is not None)
+    session.speculate = f"draft:{path}"
+    before = limited.stats_once()
+    with pytest.raises(MemoryShortfall, match=r"^rank 0 .*its draft model's K/V take .*--speculate lookup "
+                                              "would hold it"):
+        next_turn(session, [7] * tokens)
+    after = limited.stats_once()
+    assert all(a.kv_tokens == b.kv_tokens and a.peak_rss_bytes < b.peak_rss_bytes + (16 << 20)
+               for a, b in zip(before, after, strict=True))
+    plan = make_plan(session.planner, 1000, 16, str(path))
+    held = limited.load_draft(str(path))
+    assert plan.ranks[0].draft_bytes == held.weight_bytes + held.need(1016) and plan.ranks[1].draft_bytes == 0
+    without = make_plan(session.planner, 1000, 16)
+    assert plan.ranks[0].need_bytes - without.ranks[0].need_bytes == held.need(1016)
+    assert ", draft model " in plan_lines(plan, "llama")[1]
 
 
 @pytest.fixture(scope="module")
@@ -258,15 +301,16 @@ async def test_the_tui_says_why_a_prompt_is_not_sent(limited, model_dir, tmp_pat
 def test_cpchat_plan_prints_a_line_per_rank_and_whether_it_fits(model_dir):
     result = subprocess.run([sys.executable, "-m", "cpchat", "plan", "--model", str(model_dir("llama")),
                              "--context", "4K", "--ranks", "2", "--max-tokens", "16", "--shares", "3,1",
-                             "--algorithm", "pass_kv"],
+                             "--algorithm", "pass_kv", "--speculate", f"draft:{model_dir('llama')}"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].endswith(": 4,096 tokens on 2 ranks (pass_kv)"), lines[0]
-    for rank, tokens, line in zip((0, 1), ("3,072", "1,024"), lines[1:3], strict=True):
-        size = r"[\d.]+ \w+"
+    size = r"[\d.]+ \w+"
+    drafts = (f"draft model {size}, ", "")  # rank 0 samples: it holds the draft model
+    for rank, tokens, draft, line in zip((0, 1), ("3,072", "1,024"), drafts, lines[1:3], strict=True):
         assert re.fullmatch(rf"rank {rank} \(127\.0\.0\.1:\d+\): {tokens} tokens, weights {size}, "
-                            rf"K/V {size}, peak {size}; the prefill needs {size} of {size} free: fits",
+                            rf"K/V {size}, {draft}peak {size}; the prefill needs {size} of {size} free: fits",
                             line), line
     assert re.fullmatch(r"time to first token about \d+ s; decode about [\d.]+ tokens/s", lines[3]), lines[3]
     assert lines[-1] == "fits on every rank"

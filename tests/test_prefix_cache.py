@@ -122,6 +122,38 @@ def test_the_whole_conversation_is_reused_as_resume_does(clusters, model_dir, em
     assert len(after) == 3 and not set(before) & set(after)  # the longer save superseded the shorter
 
 
+def test_a_draft_model_takes_its_state_of_a_conversation_back_from_disk(clusters, model_dir, empty_cache):
+    """--speculate draft:MODEL: the sampling rank saves what the draft read beside the ring's shards. A
+    conversation taken up again after another one (which the draft followed) loads the ring's prefix
+    and the draft's from disk and answers as mlx-lm does; its save supersedes the draft's first file
+    (a draft that read the conversation again would have left it)."""
+    path = model_dir("llama")
+    cluster = clusters.get(2, path)
+    doc, first, second = document_and_questions(path, seed=21)
+
+    def drafted(ids: list[int]):
+        cluster.reset(0)
+        session = cached_session(cluster, path)
+        session.speculate = f"draft:{path}"
+        return next_turn(session, ids)
+
+    def draft_files() -> list[Path]:
+        cluster.find_prefixes([0])  # once the ranks' saves are on disk
+        return [p for p in prefix_dir().glob("*-0-of-1.kvp") if prefix_file.read_header(p)["model"].endswith(
+            "(draft)")]
+
+    got, _ = drafted(doc + first)
+    saved = draft_files()
+    assert len(saved) == 1
+    drafted(random_prompt(path, 50, seed=23))
+    history = doc + first + [t for t, _ in got] + second
+    got, events = drafted(history)
+    assert prefill_event(events).cache == "disk" and done_event(events).speculation.accepted > 0
+    assert_same(got, mlx_lm_generate(path, history, MAX_TOKENS))
+    after = draft_files()
+    assert len(after) == 2 and saved[0] not in after
+
+
 def test_a_second_question_saves_nothing_new(clusters, model_dir, empty_cache):
     """The ranks save a conversation once it holds save_min_tokens they have not saved: the first
     session saves the document; a second question about it loads it and adds too little to save; a

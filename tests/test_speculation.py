@@ -22,6 +22,7 @@ from helpers import (
     rank_holds,
     raw_session,
 )
+from mlx_lm.models.cache import can_trim_prompt_cache
 from references import MlxReference, reference_generate, reference_tokenizer
 
 from cpchat.client.cluster import Cluster
@@ -31,6 +32,8 @@ from cpchat.core.quantized_kv import KVFormat
 from cpchat.core.stages import Stages
 from cpchat.errors import BadInput
 from cpchat.rank.draft import DraftModel, DraftModelError
+from cpchat.rank.prefix_cache import PrefixStore
+from cpchat.rank.prefix_keeper import PrefixKeeper
 from cpchat.smallmodels import write_model
 
 MAX_TOKENS = 24
@@ -248,6 +251,51 @@ def test_a_draft_model_follows_the_conversation_as_it_grows_and_is_cut_back(mode
         assert draft.propose(tokens, 3)[:len(expected)] == expected
 
 
+@pytest.mark.parametrize("form", ["llama", "qwen3_next", "mistral-sliding", "bfloat16"])
+def test_a_draft_model_s_state_is_saved_with_the_prefix_and_taken_back(model_dir, checkpoint, tmp_path, form):
+    """What the draft read of a conversation is saved beside the ring's prefix, cut to the ring's
+    tokens, and a new draft (a rank started again, or one that followed another conversation) takes
+    it back from disk and reads only the new tokens, proposing mlx-lm's own continuation. A state that
+    cannot be cut back (a hybrid's, a window of 8 that wrapped) is saved and taken only whole; a file
+    that can be cut anywhere is superseded by the next save of its conversation."""
+    if form in VARIANTS:
+        arch, options = VARIANTS[form]
+        path = write_model(tmp_path / form, arch, **options)
+    else:
+        path = checkpoint(form) if form == "bfloat16" else model_dir(form)
+    keeper = PrefixKeeper()
+    keeper.cache = PrefixStore(tmp_path / "prefix", 1 << 30)
+    doc = np.array(random_prompt(path, 40, seed=5), np.uint32)
+    draft = DraftModel(str(path))
+    proposed = draft.propose(doc, 3)  # it read the document and two of its proposals
+    whole = not can_trim_prompt_cache(draft.cache)
+    taken = 2 if whole else 1  # the ring kept one proposal (or two: all the draft read)
+    keeper.tokens = np.append(doc, proposed[:taken]).astype(np.uint32)
+    draft.save(keeper)
+    keeper.flush()
+    [saved] = keeper.cache.entries(draft.identity)
+    assert saved.header["tokens"] == len(doc) + taken and bool(saved.header["state_positions"]) == whole
+    question = np.append(keeper.tokens, random_prompt(path, 6, seed=6)).astype(np.uint32)
+    again = DraftModel(str(path))
+    if whole:  # a conversation that parts from the saved one within it cannot take it
+        again.resume(keeper, np.append(doc, [proposed[0], (proposed[1] + 1) % 400 + 3]).astype(np.uint32))
+        assert len(again.read) == 0
+    again.resume(keeper, question)
+    held, read = len(again.read), []
+    assert held == len(doc) + taken
+    model = again.model
+    again.model = lambda x, cache: read.append(x.shape[1]) or model(x, cache=cache)
+    expected = [t for t, _ in reference_generate(path, question.tolist(), 3)]
+    proposed = again.propose(question, 3)
+    assert proposed[:len(expected)] == expected
+    assert read[0] + read[1] == len(question) - held  # the new tokens, then the last one's logits
+    keeper.tokens = np.append(question, proposed[:taken]).astype(np.uint32)
+    again.save(keeper)
+    keeper.flush()
+    files = sorted(e.header["tokens"] for e in keeper.cache.entries(again.identity))
+    assert files == [len(doc) + taken] * whole + [len(keeper.tokens)]
+
+
 def test_a_draft_model_the_rank_cannot_load_is_refused_by_name(clusters, model_dir):
     """A draft model that is not on the sampling rank's disk: one error naming it, and the ring answers
     the next turn exactly."""
@@ -291,7 +339,7 @@ def test_a_draft_model_the_rank_cannot_hold_is_refused_by_name(tmp_path, model_d
     path = model_dir("llama")
     draft = write_model(tmp_path / "wide", "llama", num_layers=4, hidden_size=1024, num_heads=16)
     weights = sum(f.stat().st_size for f in draft.glob("*.safetensors"))
-    monkeypatch.setenv("CPCHAT_MEMORY_LIMIT", str(4 * weights))
+    monkeypatch.setenv("CPCHAT_MEMORY_LIMIT", str(4 * weights))  # (rank_holds measures under it)
     monkeypatch.setenv("CPCHAT_MEMORY_LIMIT", str(rank_holds(4 * weights, path) + weights // 4))
     cluster = Cluster.launch(1)
     try:

@@ -19,7 +19,7 @@ from cpchat.client.generation import GenerationEvent, GenerationRequest
 from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks, rank_devices, visible_gpus
 from cpchat.client.messages import generate_request, rank_stats
 from cpchat.client.prefixes import PrefixChoice, PrefixGone, PrefixLoaded, SavedPrefix
-from cpchat.client.ranks import RankHandle, ServedModel, describe_failure
+from cpchat.client.ranks import DraftHeld, RankHandle, ServedModel, describe_failure
 from cpchat.client.streams import (
     HEALTH_DEADLINE_S,
     SILENCE_S,
@@ -389,6 +389,18 @@ class Cluster:
         replies = self._each(lambda r: r.control.FindPrefixes(request, timeout=30, metadata=self.metadata))
         return [[SavedPrefix(p.prefix_id, p.num_ranks, p.shard, p.tokens, p.common, p.floor,
                              tuple(p.state_positions)) for p in reply.prefixes] for reply in replies]
+
+    def load_draft(self, name: str) -> DraftHeld:
+        """The rank that samples loads the draft model `name` (kept there); BadInput names a draft it cannot
+        load or hold."""
+        r = self.ranks[self.stage_ranks(self.stages - 1)[0]]
+        try:
+            reply = r.control.LoadDraft(pb.LoadDraftRequest(model=name), timeout=600, metadata=self.metadata)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise BadInput(e.details()) from None
+            raise BackendError(self._describe(r, e, "a draft model's load")) from None
+        return DraftHeld(reply.weight_bytes, reply.token_bytes, reply.tokens_held)
 
     def load_prefix(self, choice: PrefixChoice) -> PrefixLoaded:
         """Every rank takes the saved prefix. PrefixGone: some rank no longer

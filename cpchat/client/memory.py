@@ -38,9 +38,11 @@ class StageSplit:
 
 
 def shortfall(w: Workload, algorithm: str, forward: list[ForwardMemory], free: list[int], answer_tokens: int,
-              labels: list[str], split: StageSplit | None = None) -> MemoryShortfall | None:
-    """The first rank that cannot hold this prefill, with what would fit; None if every rank can."""
-    needs = prefill_needs(w, algorithm, forward, free, answer_tokens)
+              labels: list[str], split: StageSplit | None = None, draft_bytes: float = 0.0
+              ) -> MemoryShortfall | None:
+    """The first rank that cannot hold this prefill, with what would fit; None if every rank can. The
+    first rank samples: it also holds a draft model's `draft_bytes` (--speculate draft:MODEL)."""
+    needs = prefill_needs(w, algorithm, forward, free, answer_tokens, draft_bytes)
     short = next((n for n in needs if not n.fits), None)
     if short is None:
         return None
@@ -48,10 +50,13 @@ def shortfall(w: Workload, algorithm: str, forward: list[ForwardMemory], free: l
     def fits(workload: Workload, freed: float = 0.0) -> bool:
         n = workload.ranks  # more ranks like the one that is short
         needs = prefill_needs(workload, algorithm, [forward[short.rank]] * n, [free[short.rank] + freed] * n,
-                              answer_tokens)
+                              answer_tokens, short.draft_bytes)
         return all(x.fits for x in needs)
 
     suggestions = []
+    if short.draft_bytes and short.total - short.draft_bytes <= short.free_bytes:
+        suggestions.append(f"its draft model's K/V take {human_bytes(short.draft_bytes)}: --speculate lookup "
+                           "would hold it")
     ranks = next((n for n in range(w.ranks + 1, MAX_RANKS_SUGGESTED + 1)
                   if fits(replace(w, ranks=n, shares=None))), None)
     if ranks:
@@ -72,7 +77,7 @@ def shortfall(w: Workload, algorithm: str, forward: list[ForwardMemory], free: l
     if w.ranks > 1:  # the same ranks, each given a share in proportion to its free memory
         most = max(max(free), 1)  # as fractions: integer_shares keeps integers (bytes) as given
         roomy = integer_shares([max(f, 1) / most for f in free], resolution=16)
-        needs = prefill_needs(replace(w, shares=roomy), algorithm, forward, free, answer_tokens)
+        needs = prefill_needs(replace(w, shares=roomy), algorithm, forward, free, answer_tokens, draft_bytes)
         if roomy == w.shares or not all(x.fits for x in needs):
             roomy = None
         else:
@@ -80,7 +85,7 @@ def shortfall(w: Workload, algorithm: str, forward: list[ForwardMemory], free: l
 
     def fits_now(tokens: int) -> bool:
         return all(x.fits for x in prefill_needs(replace(w, new_tokens=tokens), algorithm, forward, free,
-                                                 answer_tokens))
+                                                 answer_tokens, draft_bytes))
 
     low, high = 0, w.new_tokens - 1  # the longest prompt that fits now, by bisection
     while low < high:

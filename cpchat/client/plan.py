@@ -32,6 +32,7 @@ class RankPlan:
     need_bytes: float  # what the prefill allocates beyond what the rank holds now
     free_bytes: int
     tokens: int = 0  # its share of the context (--shares)
+    draft_bytes: float = 0.0  # a draft model's weights and K/V (--speculate draft:MODEL; the rank samples)
 
     @property
     def fits(self) -> bool:
@@ -49,12 +50,16 @@ class Plan:
     max_context: int = 0  # the model's (0: unknown)
 
 
-def make_plan(planner: Planner, context: int, answer_tokens: int) -> Plan:
+def make_plan(planner: Planner, context: int, answer_tokens: int, draft_model: str = "") -> Plan:
     """The plan for a prompt of `context` tokens (and an answer of `answer_tokens`) on the planner's ranks:
-    each pipeline stage's ranks hold the K/V of their stage's layers."""
+    each pipeline stage's ranks hold the K/V of their stage's layers, and the rank that samples a draft
+    model's weights and K/V (loaded there first)."""
     cluster = planner.cluster
     algorithm = planner.choose_algorithm(context, 0).algorithm
     decode_step = planner.decode_exchange(context, answer_tokens)
+    draft = cluster.load_draft(draft_model) if draft_model else None
+    draft_kv = draft.need(context + answer_tokens) if draft else 0
+    sampler = cluster.stage_ranks(cluster.stages - 1)[0]
     free = cluster.free_memory()
     stats = cluster.stats_once()
     ranks = []
@@ -62,13 +67,15 @@ def make_plan(planner: Planner, context: int, answer_tokens: int) -> Plan:
         members = cluster.stage_ranks(stage)
         w = planner.stage_workload(stage, context, 0)
         needs = prefill_needs(w, algorithm, [cluster.forward_memory[i] for i in members],
-                              [free[i] for i in members], answer_tokens)
+                              [free[i] for i in members], answer_tokens,
+                              draft_kv if sampler in members else 0)
         held = rank_tokens(context, cluster.ring_size, w.shares)  # and each rank's share of the answer's
         for i, n, t in zip(members, needs, held, strict=True):
             r, answer = cluster.ranks[i], n.answer_bytes / kv_bytes_per_token(w)
             plan = RankPlan(r.label, r.weight_bytes or cluster.model.weight_bytes,
                             (t + answer) * kv_bytes_per_token(w), _peak(r.computes_on_cpu, stats[i], n.total),
-                            n.total, n.free_bytes, t)
+                            n.total, n.free_bytes, t,
+                            (draft.weight_bytes + draft_kv) if draft and i == sampler else 0)
             if decode_step == "gather" and i == members[0]:  # it also holds its stage's other ranks' K/V
                 copy = stats[i].rss_bytes + plan.kv_bytes + gather_bytes(w, context, answer_tokens)
                 plan = replace(plan, peak_bytes=max(plan.peak_bytes, copy))
@@ -84,7 +91,7 @@ def make_plan(planner: Planner, context: int, answer_tokens: int) -> Plan:
         step += decode_estimates(planner.workload(1, context), measured)[decode_step]
         step += (cluster.stages - 1) * cluster.hop_latency_s  # each stage hands the token's hidden state on
         decode = 1 / step
-    refused = planner.memory_shortfall(context, 0, algorithm, answer_tokens)
+    refused = planner.memory_shortfall(context, 0, algorithm, answer_tokens, draft_model)
     return Plan(context, algorithm, ranks, ttft, decode, str(refused) if refused else "",
                 cluster.model.max_context)
 
@@ -102,9 +109,10 @@ def plan_lines(plan: Plan, model: str) -> list[str]:
     lines = [f"{model}: {plan.context:,} tokens on {len(plan.ranks)} rank{'s' * (len(plan.ranks) > 1)} "
              f"({plan.algorithm})"]
     for r in plan.ranks:
+        draft = f"draft model {human_bytes(r.draft_bytes)}, " if r.draft_bytes else ""
         lines.append(f"{r.label}: {r.tokens:,} tokens, weights {human_bytes(r.weight_bytes)}, "
-                     f"K/V {human_bytes(r.kv_bytes)}, "
-                     f"peak {human_bytes(r.peak_bytes)}; the prefill needs {human_bytes(r.need_bytes)} of "
+                     f"K/V {human_bytes(r.kv_bytes)}, {draft}peak {human_bytes(r.peak_bytes)}; "
+                     f"the prefill needs {human_bytes(r.need_bytes)} of "
                      f"{human_bytes(r.free_bytes)} free: {'fits' if r.fits else 'does not fit'}")
     if plan.ttft_s is not None and plan.decode_tokens_per_s is not None:
         lines.append(f"time to first token about {human_duration(plan.ttft_s)}; decode about "

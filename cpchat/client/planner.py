@@ -51,20 +51,23 @@ class Planner:
             return None
         return balanced_shares(c.context_costs(), new_tokens, cached_tokens, c.model.groups)
 
-    def memory_shortfall(self, new_tokens: int, cached_tokens: int, algorithm: str, answer_tokens: int
-                         ) -> MemoryShortfall | None:
-        """Why some rank cannot hold this prefill and its answer, from what the ranks report free now;
-        None when all can. Blocks on the ranks: not for the event loop."""
+    def memory_shortfall(self, new_tokens: int, cached_tokens: int, algorithm: str, answer_tokens: int,
+                         draft_model: str = "") -> MemoryShortfall | None:
+        """Why some rank cannot hold this prefill and its answer (and `draft_model`'s K/V of them, on the
+        rank that samples: it loads the draft first), from what the ranks report free now; None when
+        all can. Blocks on the ranks: not for the event loop."""
         c = self.cluster
         if not any(f.fixed_bytes or f.per_token_bytes for f in c.forward_memory):
             return None  # ranks of a cpchat before the check measure no forward's memory
+        tokens = cached_tokens + new_tokens + answer_tokens
+        draft = c.load_draft(draft_model).need(tokens) if draft_model else 0
         free = c.free_memory()
         for s in range(c.stages):  # each stage's ranks hold the K/V of its layers
             ranks = c.stage_ranks(s)
             split = StageSplit(c.stages, c.size, max(c.ranks[r].weight_bytes for r in ranks))
             refused = shortfall(self.stage_workload(s, new_tokens, cached_tokens), algorithm,
                                 [c.forward_memory[r] for r in ranks], [free[r] for r in ranks], answer_tokens,
-                                [c.ranks[r].label for r in ranks], split)
+                                [c.ranks[r].label for r in ranks], split, draft if s == c.stages - 1 else 0)
             if refused is not None:
                 return refused
         return None
@@ -77,12 +80,12 @@ class Planner:
             return w
         return replace(w, layers=max(head.layers[1] - head.layers[0] - head.state_layers, 1))
 
-    def prefill_shares(self, new_tokens: int, cached_tokens: int, algorithm: str, answer_tokens: int
-                       ) -> Shares | None:
+    def prefill_shares(self, new_tokens: int, cached_tokens: int, algorithm: str, answer_tokens: int,
+                       draft_model: str = "") -> Shares | None:
         """The shares a prefill runs in: shares_for's, or under auto, where some rank cannot hold its
         share, shares in proportion to the ranks' free memory if those hold it. Raises MemoryShortfall
         when neither does. Blocks on the ranks: not for the event loop."""
-        refused = self.memory_shortfall(new_tokens, cached_tokens, algorithm, answer_tokens)
+        refused = self.memory_shortfall(new_tokens, cached_tokens, algorithm, answer_tokens, draft_model)
         if refused is None:
             return self.shares_for(new_tokens, cached_tokens)
         if self.shares == "auto" and refused.roomy is not None:

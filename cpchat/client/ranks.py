@@ -44,6 +44,19 @@ class ServedModel:
         return max(self.num_q_heads // max(self.num_kv_heads, 1), 1)
 
 
+@dataclass(frozen=True)
+class DraftHeld:
+    """A draft model on the rank that samples (--speculate draft:MODEL), as its LoadDraft reply says."""
+
+    weight_bytes: int
+    token_bytes: int  # what a token of the conversation adds to its cache
+    tokens: int  # the tokens its cache holds now
+
+    def need(self, tokens: int) -> int:
+        """Bytes more it takes to hold a conversation of `tokens` (its cache is cut to what it shares)."""
+        return max(tokens - self.tokens, 0) * self.token_bytes
+
+
 @dataclass
 class RankHandle:
     rank: int

@@ -214,10 +214,15 @@ class Session:
         new = len(tokens) - keep
         try:
             algorithm = self.planner.choose_algorithm(new, keep).algorithm
-            self.planner.prefill_shares(new, keep, algorithm, answer_tokens)
+            self.planner.prefill_shares(new, keep, algorithm, answer_tokens, self._draft_model())
         except MemoryShortfall as refused:
             return refused
         return None
+
+    def _draft_model(self) -> str:
+        """The draft model of --speculate draft:MODEL ("" for any other mode)."""
+        mode, _, name = self.speculate.partition(":")
+        return name if mode == "draft" else ""
 
     # ---- a turn
 
@@ -323,11 +328,12 @@ class Session:
         new = full[keep:]
         choice = self.planner.choose_algorithm(len(new), keep)
         answer_tokens = self.sampling.max_tokens if max_tokens is None else max_tokens
-        shares = self.planner.prefill_shares(len(new), keep, choice.algorithm, answer_tokens)
+        shares = self.planner.prefill_shares(len(new), keep, choice.algorithm, answer_tokens,
+                                             self._draft_model())
         self.last_choice = choice
         seed = self.sampling.seed if self.sampling.seed is not None else random.getrandbits(32)
         linear = self.cluster.model.state_layers  # their states cannot be cut back: keep one at documents_end
-        mode, _, draft_model = self.speculate.partition(":")
+        mode = self.speculate.partition(":")[0]
         request = GenerationRequest(
             tokens=new, keep_tokens=keep,
             max_tokens=answer_tokens,
@@ -339,7 +345,7 @@ class Session:
             shares=shares or (),
             top_logprobs=self.sampling.top_logprobs,
             speculation=mode if mode in ("off", "draft") else "lookup", draft_tokens=self.draft_tokens,
-            draft_model=draft_model,
+            draft_model=self._draft_model(),
         )
         turn = self.turn_index
         detok = self.tokenizer.detokenizer

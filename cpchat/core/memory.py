@@ -53,10 +53,12 @@ class Need:
     ring_bytes: float
     answer_bytes: float
     free_bytes: int
+    draft_bytes: float = 0.0  # a draft model's K/V of the conversation and answer (on the sampling rank)
 
     @property
     def total(self) -> float:
-        return self.kv_bytes + self.forward_bytes + self.tiles_bytes + self.ring_bytes + self.answer_bytes
+        return (self.kv_bytes + self.forward_bytes + self.tiles_bytes + self.ring_bytes + self.answer_bytes
+                + self.draft_bytes)
 
     @property
     def fits(self) -> bool:
@@ -105,13 +107,15 @@ def ring_bytes(w: Workload, algorithm: str, tokens: int) -> float:
 
 
 def prefill_needs(w: Workload, algorithm: str, forward: list[ForwardMemory], free: list[int],
-                  answer_tokens: int = 0) -> list[Need]:
-    """Each rank's need for this prefill (and its answer's K/V), beside what it reports free."""
+                  answer_tokens: int = 0, draft_bytes: float = 0.0) -> list[Need]:
+    """Each rank's need for this prefill (and its answer's K/V), beside what it reports free; the first
+    rank also holds `draft_bytes` more (a draft model's K/V: it samples)."""
     shares = w.shares or (1,) * w.ranks
     packed = w.kv_format.quantized and w.cached_tokens + w.new_tokens > w.kv_format.start
     needs = []
     for r, tokens in enumerate(tokens_per_rank(w.new_tokens, w.ranks, w.shares)):
         answer = math.ceil(answer_tokens * shares[r] / sum(shares)) * kv_bytes_per_token(w)
         needs.append(Need(r, tokens * kv_bytes_per_token(w, packed=packed), forward[r].bytes(tokens),
-                          tile_bytes(w, tokens), ring_bytes(w, algorithm, tokens), answer, free[r]))
+                          tile_bytes(w, tokens), ring_bytes(w, algorithm, tokens), answer, free[r],
+                          0.0 if r else draft_bytes))
     return needs

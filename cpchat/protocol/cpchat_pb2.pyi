@@ -423,6 +423,22 @@ class LoadPrefixReply(_message.Message):
     state_positions: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, kv_tokens: _Optional[int] = ..., keep_floor: _Optional[int] = ..., state_positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class LoadDraftRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class LoadDraftReply(_message.Message):
+    __slots__ = ("weight_bytes", "token_bytes", "tokens_held")
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
+    weight_bytes: int
+    token_bytes: int
+    tokens_held: int
+    def __init__(self, weight_bytes: _Optional[int] = ..., token_bytes: _Optional[int] = ..., tokens_held: _Optional[int] = ...) -> None: ...
+
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

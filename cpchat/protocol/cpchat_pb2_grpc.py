@@ -86,6 +86,11 @@ class ControlStub:
                 request_serializer=cpchat_dot_protocol_dot_cpchat__pb2.HealthRequest.SerializeToString,
                 response_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.LoadDraft = channel.unary_unary(
+                '/cpchat.Control/LoadDraft',
+                request_serializer=cpchat_dot_protocol_dot_cpchat__pb2.LoadDraftRequest.SerializeToString,
+                response_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.LoadDraftReply.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_stream(
                 '/cpchat.Control/Heartbeat',
                 request_serializer=cpchat_dot_protocol_dot_cpchat__pb2.HeartbeatRequest.SerializeToString,
@@ -178,6 +183,16 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadDraft(self, request, context):
+        """Load the draft model a request's --speculate draft:MODEL names, on the rank that samples (the
+        last stage's first rank), where it stays for later requests; and say what it holds, which the
+        front end's memory check counts beside the request's own K/V. INVALID_ARGUMENT, naming the
+        draft: it cannot be loaded, or its weights take more memory than the rank may still hold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Heartbeat(self, request, context):
         """A beat every interval_s for as long as the rank's process runs, whatever its work: sent from a
         thread of its own, so a slow rank keeps beating and a stopped one (SIGSTOP, a frozen machine)
@@ -245,6 +260,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.HealthRequest.FromString,
                     response_serializer=cpchat_dot_protocol_dot_cpchat__pb2.HealthReply.SerializeToString,
+            ),
+            'LoadDraft': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadDraft,
+                    request_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.LoadDraftRequest.FromString,
+                    response_serializer=cpchat_dot_protocol_dot_cpchat__pb2.LoadDraftReply.SerializeToString,
             ),
             'Heartbeat': grpc.unary_stream_rpc_method_handler(
                     servicer.Heartbeat,
@@ -529,6 +549,33 @@ class Control:
             '/cpchat.Control/Health',
             cpchat_dot_protocol_dot_cpchat__pb2.HealthRequest.SerializeToString,
             cpchat_dot_protocol_dot_cpchat__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadDraft(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpchat.Control/LoadDraft',
+            cpchat_dot_protocol_dot_cpchat__pb2.LoadDraftRequest.SerializeToString,
+            cpchat_dot_protocol_dot_cpchat__pb2.LoadDraftReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -346,6 +346,8 @@ class Engine:
             if saving:
                 self.prefix.save(self.kv, self.states, self.windows, before_forgetting, prompt_end,
                                  self.info.identity, self.model_name, ring)
+                if draft is not None:
+                    draft.save(self.prefix)
         except BaseException:
             self.reset(start)
             raise
@@ -353,20 +355,33 @@ class Engine:
             for request_id in [req.request_id, *(f"{req.request_id}#{i}" for i in range(len(passes) - 1))]:
                 world.mailbox.forget(request_id)
 
-    def _draft(self, req: pb.GenerateRequest, ring: Ring) -> DraftModel:
-        """The request's draft model, loaded at its first use and kept (this rank samples), if it and
-        its K/V of the whole conversation fit beside this request's own (refused by name otherwise)."""
-        name, tokens = req.draft_model, req.keep_tokens + len(req.tokens) + req.max_tokens
-        mine = rank_tokens(len(req.tokens), ring.size, _shares(req))[ring.rank] + req.max_tokens // ring.size
-        free = free_bytes(self.memory_limit) - mine * self.info.kv_bytes_per_token
+    def load_draft(self, name: str, free: int | None = None) -> DraftModel:
+        """The draft model `name`, loaded at its first use and kept (this rank samples): refused by name
+        where its weights take more than `free` bytes (this rank's free memory if None)."""
+        if self.model is None:
+            raise BadRequest("no model is loaded")
         try:
             if self.draft is None or self.draft.name != name:
                 self.draft = None
+                free = free_bytes(self.memory_limit) if free is None else free
                 self.draft = DraftModel(name, self.copy_budget, free)
-            self.draft.check_room(tokens, free)
         except DraftModelError as e:
             raise BadRequest(str(e)) from None
         return self.draft
+
+    def _draft(self, req: pb.GenerateRequest, ring: Ring) -> DraftModel:
+        """The request's draft model, if it and its K/V of the whole conversation fit beside this
+        request's own (refused by name otherwise), holding what it can of the conversation."""
+        tokens = req.keep_tokens + len(req.tokens) + req.max_tokens
+        mine = rank_tokens(len(req.tokens), ring.size, _shares(req))[ring.rank] + req.max_tokens // ring.size
+        free = free_bytes(self.memory_limit) - mine * self.info.kv_bytes_per_token
+        draft = self.load_draft(req.draft_model, free)
+        try:
+            draft.check_room(tokens, free)
+        except DraftModelError as e:
+            raise BadRequest(str(e)) from None
+        draft.resume(self.prefix, np.append(self.prefix.tokens, np.array(req.tokens, np.uint32)))
+        return draft
 
     # ---- the prefix cache
 

@@ -94,8 +94,12 @@ class PrefixKeeper:
             header["layers"] = list(self.layers)
         origin = self.origin if self.origin is not None and _covers(header, self.origin.header) else None
         self.origin = Entry(self.cache.path(header["prefix_id"], ring.rank, ring.size, self.layers), header)
+        self.write(header, arrays, origin)
+
+    def write(self, header: dict, arrays: dict, replaces: Entry | None) -> None:
+        """Write a file of arrays captured here on the writer thread (the draft's too: cpchat.rank.draft)."""
         self._saves = [f for f in self._saves if not f.done()]
-        self._saves.append(self._writer.submit(self._write, header, arrays, origin))
+        self._saves.append(self._writer.submit(self._write, header, arrays, replaces))
 
     def _write(self, header: dict, arrays: dict, replaces: Entry | None) -> None:
         try:

@@ -48,13 +48,13 @@ def capture(kv: KVShard, states: StateStore, tokens: np.ndarray, windows: Sequen
         arrays[f"layer{i}.positions"] = positions.copy()
         if keys is not None:
             for name, a in (*_named(f"layer{i}.keys", keys), *_named(f"layer{i}.values", values)):
-                arrays[name], dtypes[name] = _as_bits(a), str(a.dtype).removeprefix("mlx.core.")
+                arrays[name], dtypes[name] = as_bits(a)
     kept = sorted(p for p in states.snapshots if 0 < p < total) + [total] if kv.linear else []
     for p in kept:
         layers = states.layers if p == total else states.snapshots[p]
         for i, s in layers.items():
             for name, a in ((f"state{p}.layer{i}.state", s.state), (f"state{p}.layer{i}.halo", s.halo)):
-                arrays[name], dtypes[name] = _as_bits(a), str(a.dtype).removeprefix("mlx.core.")
+                arrays[name], dtypes[name] = as_bits(a)
             arrays[f"state{p}.layer{i}.halo_real"] = s.halo_real.copy()
     mx.eval([a for a in arrays.values() if isinstance(a, mx.array)])
     return {"dtypes": dtypes, "floor": floor, "state_positions": kept, "quantized": kv.quantized}, arrays
@@ -100,8 +100,8 @@ def restore(shards: Sequence[tuple[dict, dict[str, np.ndarray]]], tokens: int, n
     if linear:
         at = f"state{tokens}.layer"
         held = {i: next((h, a) for h, a in shards if f"{at}{i}.state" in a) for i in linear}
-        layers_at = {i: LayerState(_array(header, f"{at}{i}.state", arrays[f"{at}{i}.state"]),
-                                   _array(header, f"{at}{i}.halo", arrays[f"{at}{i}.halo"]),
+        layers_at = {i: LayerState(from_bits(header, f"{at}{i}.state", arrays[f"{at}{i}.state"]),
+                                   from_bits(header, f"{at}{i}.halo", arrays[f"{at}{i}.halo"]),
                                    arrays[f"{at}{i}.halo_real"].copy())
                      for i, (header, arrays) in sorted(held.items())}
         store.layers = dict(layers_at)
@@ -136,17 +136,18 @@ def _kv(header: dict, arrays: dict[str, np.ndarray], name: str, keep, quantized:
     """A layer's keys or values from the file, the tokens of `keep` (a mask or a slice)."""
     if quantized:
         parts = [f"{name}.{part}" for part in Packed.PARTS]
-        return Packed(*(_array(header, n, arrays[n][:, :, keep]) for n in parts), kv_format.bits,
+        return Packed(*(from_bits(header, n, arrays[n][:, :, keep]) for n in parts), kv_format.bits,
                       kv_format.group_size)
-    return _array(header, name, arrays[name][:, :, keep])
+    return from_bits(header, name, arrays[name][:, :, keep])
 
 
-def _as_bits(a: mx.array) -> mx.array:
-    """numpy has no bfloat16: such arrays are kept as their bits (the header names the dtype)."""
-    return a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+def as_bits(a: mx.array) -> tuple[mx.array, str]:
+    """An array numpy can hold, and the name of its dtype for the header: numpy has no bfloat16, so
+    such arrays are kept as their bits."""
+    return a.view(mx.uint16) if a.dtype == mx.bfloat16 else a, str(a.dtype).removeprefix("mlx.core.")
 
 
-def _array(header: dict, name: str, bits: np.ndarray) -> mx.array:
+def from_bits(header: dict, name: str, bits: np.ndarray) -> mx.array:
     a = mx.array(np.ascontiguousarray(bits))
     dtype = DTYPES[header["dtypes"][name]][1]  # an unknown name: KeyError, the file does not fit
     return a.view(dtype) if a.dtype != dtype else a

@@ -225,6 +225,18 @@ class ControlServicer(pb_grpc.ControlServicer):
         return pb.LoadPrefixReply(kv_tokens=len(engine.kv), keep_floor=engine.keep_floor,
                                   state_positions=engine.state_positions)
 
+    def LoadDraft(self, request, context):
+        if not self.s.busy.acquire(blocking=False):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "rank is busy; cancel the generation first")
+        try:
+            draft = self.s.on_mlx(self.s.engine.load_draft, request.model)
+        except BadRequest as e:
+            context.abort(status_of(e), str(e))
+        finally:
+            self.s.busy.release()
+        return pb.LoadDraftReply(weight_bytes=draft.weight_bytes, token_bytes=draft.token_bytes,
+                                 tokens_held=len(draft.read))
+
     def Health(self, request, context):
         return pb.HealthReply(state=self.s.state, rank=self.s.rank, pid=os.getpid(), blas=self.s.blas,
                               shm_endpoint=self.s.shm.endpoint if self.s.shm else "",
