@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 from conftest import DEMO_MODEL
+from prometheus_client.parser import text_string_to_metric_families
 from rankprocs import ranks_started_with, wait_gone
 
 from cpchat.client.events import Token
@@ -154,6 +155,72 @@ def test_a_long_system_prompt_is_prefilled_once(server, model):
     reused = second.usage.prompt_tokens_details.cached_tokens
     assert reused > 1500 and second.usage.prompt_tokens - reused < 30, second.usage
     assert second.model_extra["timings"]["prompt_n"] == second.usage.prompt_tokens - reused
+
+
+def test_a_stream_that_asks_says_how_far_the_prompt_got(server, model):
+    """With `return_progress` (llama.cpp's), chunks carry `prompt_progress` while the prompt is read: its
+    tokens, those held already, those done (rising to all of them) and the time; without it none do."""
+    client = server.client()
+    system = " ".join(f"Note {i}: the vault is north of the river." for i in range(200))
+
+    def ask(question: str, progress: bool) -> list:
+        return list(client.chat.completions.create(
+            model=str(model), max_tokens=4, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            extra_body={"return_progress": True} if progress else None))
+
+    def progress_of(chunks: list) -> list[dict]:
+        extras = [c.model_extra or {} for c in chunks]
+        return [e["prompt_progress"] for e in extras if "prompt_progress" in e]
+
+    chunks = ask("Where is the vault?", True)
+    usage, progress = chunks[-1].usage, progress_of(chunks)
+    assert usage.prompt_tokens > 1000 and progress, chunks[:3]
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert all(p["total"] == usage.prompt_tokens and p["cache"] == cached for p in progress), progress
+    done, ms = [p["processed"] for p in progress], [p["time_ms"] for p in progress]
+    assert done == sorted(done) and done[0] >= cached and done[-1] == usage.prompt_tokens, progress
+    assert ms == sorted(ms) and ms[0] >= 0
+    assert all(not c.choices[0].delta.content for c in chunks if (c.model_extra or {}).get("prompt_progress"))
+    assert progress_of(ask("Which way is the vault?", False)) == []
+
+
+def test_metrics_count_what_was_asked_and_what_the_ranks_hold(server, model):
+    """/metrics, read by Prometheus's own parser: a request answered adds its tokens, its time to first
+    token and one answered chat; a refused one its status; each rank's K/V tokens are what it holds."""
+    def scrape() -> dict[tuple, float]:
+        request = urllib.request.Request(server.url + "/metrics", headers=AUTH)
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.headers["Content-Type"].startswith("text/plain")
+            text = response.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    before = scrape()
+    answer = server.client().chat.completions.create(model=str(model), max_tokens=5, temperature=0,
+                                                     messages=[{"role": "user", "content": PROMPT}])
+    status, _ = http(server.url + "/v1/chat/completions", json.dumps({"messages": [], "n": 2}).encode())
+    after = scrape()
+
+    def added(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    usage = answer.usage
+    assert added("cpchat_requests_total", endpoint="chat", outcome="answered") == 1
+    assert added("cpchat_prompt_tokens_total") == usage.prompt_tokens
+    assert added("cpchat_prompt_tokens_cached_total") == usage.prompt_tokens_details.cached_tokens
+    assert added("cpchat_generation_tokens_total") == usage.completion_tokens
+    assert added("cpchat_time_to_first_token_seconds_count") == 1
+    assert status == 400 and added("cpchat_requests_refused_total", status="400") == 1
+    assert after[("cpchat_queue_waiting", ())] == 0 and after[("cpchat_batch_size", ())] == 0
+    held = {dict(labels)["rank"]: v for (name, labels), v in after.items() if name == "cpchat_rank_kv_tokens"}
+    ranks = {str(r["rank"]): r["kv_tokens"] for r in server.health()["ranks"]}
+    assert held == ranks and sum(held.values()) >= usage.prompt_tokens  # the conversation's, as the ranks say
+    unauthorised = urllib.request.Request(server.url + "/metrics")
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        urllib.request.urlopen(unauthorised, timeout=30)
 
 
 def test_a_client_that_goes_away_frees_the_ranks(server, model):

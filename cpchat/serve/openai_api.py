@@ -45,6 +45,7 @@ class GenerationParams:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    return_progress: bool = False  # a stream also says how far the prompt's prefill got (llama.cpp's)
 
 
 @dataclass
@@ -61,7 +62,8 @@ class CompletionRequest:
 
 # The fields each endpoint takes; any other is refused by name, as OpenAI does.
 SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-                   "n", "user", "presence_penalty", "frequency_penalty", "ignore_eos", "logprobs"}
+                   "n", "user", "presence_penalty", "frequency_penalty", "ignore_eos", "logprobs",
+                   "return_progress"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo"}
 ROLES = ("system", "developer", "user", "assistant")
@@ -168,6 +170,7 @@ def _params(data: dict, defaults: GenerationParams, logprobs: bool, top: int) ->
         seed=number("seed", int, -(1 << 63), (1 << 63) - 1, defaults.seed),
         stop=stop, logprobs=logprobs, top_logprobs=top, ignore_eos=bool(data.get("ignore_eos", False)),
         stream=bool(data.get("stream", False)), include_usage=bool(options.get("include_usage", False)),
+        return_progress=bool(data.get("return_progress", False)),
     )
 
 
@@ -255,6 +258,13 @@ def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, log
     if usage is not None:
         chunk["usage"] = usage
     return chunk
+
+
+def prompt_progress(total: int, cached: int, computed: int, ms: float) -> dict:
+    """llama.cpp's `prompt_progress`: of the prompt's `total` tokens, `cache` were held already and
+    `processed` are done (those included), `time_ms` since the request began."""
+    return {"prompt_progress": {"total": total, "cache": cached, "processed": cached + computed,
+                                "time_ms": round(ms, 1)}}
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, logprobs: list | None = None,

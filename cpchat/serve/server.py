@@ -17,6 +17,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -32,6 +33,7 @@ from cpchat.client.session import Session
 from cpchat.client.settings import resolve_settings
 from cpchat.errors import BackendError, BadInput
 from cpchat.serve.generation import Generation, Piece, RankQueue
+from cpchat.serve.metrics import ServerMetrics
 from cpchat.serve.openai_api import (
     ApiError,
     GenerationParams,
@@ -43,6 +45,7 @@ from cpchat.serve.openai_api import (
     new_id,
     parse_chat,
     parse_completion,
+    prompt_progress,
 )
 
 MAX_REQUEST_BYTES = 64 << 20  # a request body past this is refused (413)
@@ -62,6 +65,7 @@ class Service:
         self.session, self.model_id, self.defaults = session, model_id, defaults
         self.queue = RankQueue(max_queue)
         self.max_request_bytes = max_request_bytes
+        self.metrics = ServerMetrics()
 
     # ---- requests
 
@@ -142,6 +146,7 @@ class Service:
     async def finish(self, generation: Generation, kind: str) -> None:
         await generation.close()
         self.queue.release(cancelled=not generation.finished)
+        self.metrics.finished(kind, generation.outcome, generation.finished)
         o = generation.outcome
         end = f"{o.completion_tokens} generated, TTFT {o.ttft_ms:,.0f} ms, {o.decode_tokens_per_s:.1f} tok/s"
         say(f"{kind}: {o.prompt_tokens:,} prompt tokens ({o.cached_tokens:,} reused), "
@@ -190,6 +195,15 @@ class Service:
                 "ranks": [{"rank": s.rank, "address": s.address, "state": s.state, "kv_tokens": s.kv_tokens,
                            "rss_bytes": s.rss_bytes} for s in stats]}
 
+    async def metrics_text(self) -> bytes:
+        """The metrics, with what the ranks hold now (none where some rank does not answer)."""
+        try:
+            stats = await asyncio.to_thread(self.session.cluster.stats_once)
+        except BackendError:
+            stats = []
+        state = self.queue.state
+        return self.metrics.text(state.waiting, int(state.running), stats)
+
 
 class EventStream(StreamingResponse):
     """Server-sent events, and `on_close` however the stream ends: done, or the client gone."""
@@ -213,14 +227,19 @@ def sse(data: object) -> str:
 async def stream(service: Service, generation: Generation, chunk: Callable[..., dict], first: dict | None
                  ) -> AsyncIterator[str]:
     """A generation as server-sent events: `chunk(text or delta, finish, logprobs, usage, offset)` shapes
-    each. Prefill progress goes as comments (clients skip them; a client gone shows the sooner)."""
+    each. Prefill progress goes as comments (clients skip them; a client gone shows the sooner), or
+    where the request asks (`return_progress`) as chunks with llama.cpp's `prompt_progress`."""
     params, offset = generation.params, 0
     if first is not None:
         yield sse(chunk(first))
     try:
         async for piece in generation.pieces():
             if isinstance(piece, Progress):
-                yield f": prefill {piece.processed}/{piece.total - piece.cached}\n\n"
+                if params.return_progress:
+                    progress = prompt_progress(piece.total, piece.cached, piece.processed, piece.ms)
+                    yield sse(chunk({} if first is not None else "") | progress)
+                else:
+                    yield f": prefill {piece.processed}/{piece.total - piece.cached}\n\n"
                 continue
             body = {"content": piece.text} if first is not None else piece.text
             logprobs = service.logprobs(piece.tokens) if params.logprobs else None
@@ -268,8 +287,13 @@ def make_app(service: Service, api_key: str | None) -> Starlette:
         authorised(request)
         return JSONResponse(await service.health())
 
+    async def metrics(request: Request) -> Response:
+        authorised(request)
+        return Response(await service.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
     async def api_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, ApiError)
+        service.metrics.refused.labels(str(error.status)).inc()
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     async def internal_error(request: Request, error: Exception) -> Response:
@@ -287,6 +311,7 @@ def make_app(service: Service, api_key: str | None) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ], exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})
 
 
