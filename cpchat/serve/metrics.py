@@ -52,6 +52,8 @@ class ServerMetrics:
         """The exposition, with the queue and the ranks' holdings as they are now."""
         self.waiting.set(waiting)
         self.batch.set(running)
+        self.kv_bytes.clear()
+        self.kv_tokens.clear()
         for s in ranks:
             self.kv_bytes.labels(str(s.rank), s.address).set(s.kv_bytes + s.state_bytes)
             self.kv_tokens.labels(str(s.rank), s.address).set(s.kv_tokens)
