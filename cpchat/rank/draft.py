@@ -17,7 +17,7 @@ from cpchat.format import human_bytes
 from cpchat.rank import draft_cache
 from cpchat.rank.cpu_products import keep_float32_weights, use_float32_products
 from cpchat.rank.model_load import local_model
-from cpchat.rank.prefix_cache import CacheMiss, Entry
+from cpchat.rank.prefix_cache import CacheMiss, Entry, shared_length
 from cpchat.rank.prefix_keeper import PrefixKeeper
 
 READ_CHUNK = 512  # tokens a forward call reads while catching up with the conversation
@@ -115,9 +115,7 @@ class DraftModel:
         return shared
 
     def _shared(self, tokens: np.ndarray, most: int) -> int:
-        m = min(len(self.read), most)
-        differ = np.flatnonzero(self.read[:m] != tokens[:m])
-        return int(differ[0]) if len(differ) else m
+        return shared_length(self.read[:most], tokens)
 
     def resume(self, keeper: PrefixKeeper, tokens: np.ndarray) -> None:
         """Take the saved state that gives most of the conversation `tokens`, if it gives more than the

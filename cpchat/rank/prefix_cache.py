@@ -60,6 +60,13 @@ def prefix_id(model_key: str, layout: Layout, tokens: np.ndarray) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def shared_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many tokens two sequences of token ids share from their start."""
+    m = min(len(a), len(b))
+    differ = np.flatnonzero(a[:m] != b[:m])
+    return int(differ[0]) if len(differ) else m
+
+
 def model_identity(model_dir: Path, settings: dict) -> str:
     """A hash of the model's files (name, size, modification time; config.json's content) and of the
     settings its keys and values depend on (dtype, device): a rewritten weights file changes it."""
@@ -148,9 +155,7 @@ class PrefixStore:
             except (CorruptFile, OSError, KeyError, TypeError, ValueError):  # no readable token ids
                 self.discard(entry.path)
                 continue
-            m = min(len(saved), len(tokens))
-            differ = np.flatnonzero(saved[:m] != tokens[:m])
-            common = int(differ[0]) if len(differ) else m
+            common = shared_length(saved, tokens)
             if common:
                 found.append(Found(h["prefix_id"], h["num_ranks"], h["shard"], len(saved), common,
                                    h["floor"], tuple(h["state_positions"]), layers_of(h)))

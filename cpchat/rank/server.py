@@ -189,16 +189,23 @@ class ControlServicer(pb_grpc.ControlServicer):
                 return
             changes = self.s.wait_for_change(changes, interval)
 
-    def Reset(self, request, context):
+    @contextlib.contextmanager
+    def _between_generations(self, context):
+        """Hold the rank for a short request; FAILED_PRECONDITION while a generation runs."""
         if not self.s.busy.acquire(blocking=False):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "rank is busy; cancel the generation first")
         try:
-            if self.s.engine.kv is not None:
-                self.s.on_mlx(self.s.engine.reset, request.keep_tokens)
-        except BadRequest as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            yield
         finally:
             self.s.busy.release()
+
+    def Reset(self, request, context):
+        with self._between_generations(context):
+            try:
+                if self.s.engine.kv is not None:
+                    self.s.on_mlx(self.s.engine.reset, request.keep_tokens)
+            except BadRequest as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.ResetReply(kv_tokens=len(self.s.engine.kv) if self.s.engine.kv else 0)
 
     def FindPrefixes(self, request, context):
@@ -208,32 +215,26 @@ class ControlServicer(pb_grpc.ControlServicer):
                            common=f.common, floor=f.floor, state_positions=f.state_positions) for f in found])
 
     def LoadPrefix(self, request, context):
-        if not self.s.busy.acquire(blocking=False):
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "rank is busy; cancel the generation first")
-        try:
-            if self.s.ring is None:
-                raise NotNow("this rank is not part of a ring yet (Configure first)")
-            engine = self.s.engine
-            self.s.on_mlx(engine.load_prefix, request.prefix_id, request.num_ranks, request.tokens,
-                          self.s.ring)
-        except CacheMiss as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except BadRequest as e:
-            context.abort(status_of(e), str(e))
-        finally:
-            self.s.busy.release()
+        engine = self.s.engine
+        with self._between_generations(context):
+            try:
+                if self.s.ring is None:
+                    raise NotNow("this rank is not part of a ring yet (Configure first)")
+                self.s.on_mlx(engine.load_prefix, request.prefix_id, request.num_ranks, request.tokens,
+                              self.s.ring)
+            except CacheMiss as e:
+                context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            except BadRequest as e:
+                context.abort(status_of(e), str(e))
         return pb.LoadPrefixReply(kv_tokens=len(engine.kv), keep_floor=engine.keep_floor,
                                   state_positions=engine.state_positions)
 
     def LoadDraft(self, request, context):
-        if not self.s.busy.acquire(blocking=False):
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "rank is busy; cancel the generation first")
-        try:
-            draft = self.s.on_mlx(self.s.engine.load_draft, request.model)
-        except BadRequest as e:
-            context.abort(status_of(e), str(e))
-        finally:
-            self.s.busy.release()
+        with self._between_generations(context):
+            try:
+                draft = self.s.on_mlx(self.s.engine.load_draft, request.model)
+            except BadRequest as e:
+                context.abort(status_of(e), str(e))
         return pb.LoadDraftReply(weight_bytes=draft.weight_bytes, token_bytes=draft.token_bytes,
                                  tokens_held=len(draft.read))
 
