@@ -13,7 +13,7 @@ from cpchat.client.connect import ClusterOptions, is_loopback, read_bytes, read_
 from cpchat.core.algorithms import ALGORITHMS
 from cpchat.core.quantized_kv import BITS, GROUP_SIZES
 from cpchat.errors import BadInput
-from cpchat.flags import add_threads_flag, positive_int
+from cpchat.flags import add_threads_flag, byte_size, positive_int
 
 if TYPE_CHECKING:
     from cpchat.client.settings import Settings
@@ -111,7 +111,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cpchat serve",
         description="The ranks behind an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, "
-                    "/v1/models and /health. One request runs at a time; the others wait in order.")
+                    "/v1/models, /health and /metrics. One request runs at a time; the others wait in "
+                    "order; the ranks keep several conversations, the least recently used let go first.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     p.add_argument("--api-key", default=None,
@@ -122,6 +123,10 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for the ranks; past them, 429 (default 16)")
     p.add_argument("--max-request-bytes", type=positive_int, default=64 << 20, metavar="B",
                    help="largest request body; past it, 413 (default 64 MiB)")
+    p.add_argument("--kv-cache-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="K/V and states of conversations the ranks keep between requests, on any one rank "
+                        "(e.g. 4G); the least recently used go first, to the prefix cache on disk (default: "
+                        "as many as memory allows: one goes when a request needs its room)")
     add_cluster_flags(p)
     p.add_argument("--max-tokens", type=int, default=None, help="answer tokens when a request does not say")
     p.add_argument("--temp", type=float, default=None, help="temperature when a request does not say (0)")

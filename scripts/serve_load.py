@@ -82,16 +82,24 @@ def row(name: str, answers: list[Answer]) -> str:
 
 
 def start(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     if args.server == "cpchat":
         command = [sys.executable, "-m", "cpchat", "serve", "--port", str(port), "--ranks", str(args.ranks),
                    "--no-cache", "--max-queue", "64"] + (["--model", args.model] if args.model else [])
     else:
         command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(resolve_model(args.model)[0]),
                    "--port", str(port), "--max-tokens", str(args.answer)]
-    server = subprocess.Popen(command, stderr=subprocess.DEVNULL)
+    return serving(subprocess.Popen(command, stderr=subprocess.DEVNULL), port, args.server)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serving(server: subprocess.Popen, port: int, name: str) -> tuple[subprocess.Popen, str]:
+    """The server once it answers on `port` (at most 10 minutes), and its URL."""
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and server.poll() is None:
@@ -101,7 +109,7 @@ def start(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         except OSError:
             time.sleep(0.5)
     server.kill()
-    raise SystemExit(f"{args.server} did not start")
+    raise SystemExit(f"{name} did not start")
 
 
 def main() -> int:

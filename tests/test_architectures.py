@@ -107,11 +107,11 @@ def test_sliding_layers_forget_old_keys_and_turns_stay_exact(clusters, variant_d
         assert_same(got, reference_generate(path, history, MAX_TOKENS))
         history += [t for t, _ in got]
         done = events[-1]
-        assert session.keep_floor == len(history) - len(got)  # the end of this turn's prompt
+        assert session.held.keep_floor == len(history) - len(got)  # the end of this turn's prompt
     full = full_kv_bytes(cluster, path, len(history))
     assert sum(r.kv_bytes for r in done.ranks) < 0.6 * full
     # Keep fewer tokens than the windows allow (as when a chat template rewrites the last answer):
-    shorter = history[: session.keep_floor - 3] + random_prompt(path, 5, seed=9)
+    shorter = history[: session.held.keep_floor - 3] + random_prompt(path, 5, seed=9)
     events = list(session.generate(shorter))
     assert next(e for e in events if type(e).__name__ == "Prefill").cached_tokens == 0
     assert_same([(e.id, e.logprob) for e in events if hasattr(e, "logprob")],

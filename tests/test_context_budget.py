@@ -126,7 +126,7 @@ def test_a_prompt_past_the_context_is_refused_unless_the_user_insists(clusters, 
         list(session.run(turn))
     assert (e.value.prompt_tokens, e.value.limit) == (len(turn.tokens), CONTEXT)
     assert f"{len(turn.tokens):,} tokens" in str(e.value) and f"{CONTEXT:,}-token context" in str(e.value)
-    assert session.messages == [] and session.held == []
+    assert session.messages == [] and session.held.tokens == []
     done = list(session.run(turn, past_context=True))[-1]
     assert done.prompt_tokens == len(turn.tokens) and done.generated_tokens == 4
     assert sum(r.kv_tokens for r in done.ranks) == len(turn.tokens) + 3, "the refused turn left nothing"

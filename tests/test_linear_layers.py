@@ -86,7 +86,7 @@ def test_turns_go_on_from_the_stored_state(clusters, model_dir, arch):
         assert_same(got, reference_generate(path, history, MAX_TOKENS))
         prompt_end = len(history)
         history += [t for t, _ in got]
-    assert prompt_end in session.state_positions
+    assert prompt_end in session.held.state_positions
     rewritten = history[: prompt_end + 2] + random_prompt(path, 4, seed=9)
     events = list(session.generate(rewritten))
     assert prefill_event(events).cached_tokens == prompt_end

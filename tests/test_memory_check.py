@@ -11,11 +11,12 @@ import sys
 from dataclasses import replace
 
 import pytest
-from helpers import next_turn, raw_session
+from helpers import next_turn, random_prompt, raw_session
 from pilot import RANKS, SIZE, attach_with_question, ready, until
 from rankprocs import loaded_ring, start_ranks
 
 from cpchat.client.cluster import Cluster
+from cpchat.client.held import HeldConversations
 from cpchat.client.memory import MemoryShortfall, StageSplit, shortfall
 from cpchat.client.plan import make_plan, plan_lines
 from cpchat.client.settings import Settings
@@ -200,6 +201,26 @@ def test_a_prompt_no_rank_can_hold_is_refused_before_any_rank_allocates(limited,
     # and what fits is served on the same ranks
     got, _ = next_turn(session, [7] * 300)
     assert len(got) == 4
+
+
+def test_held_conversations_go_least_recent_first_for_a_prompt_that_needs_their_room(limited, model_dir):
+    """A server's ranks hold two conversations; a prompt that fits only without them lets the least
+    recently used go, and no more than it needs (the ranks give its memory back to the system)."""
+    limited.reset(0)  # every conversation earlier tests left
+    session = raw_session(limited, model_dir("llama"), "pass_kv", max_tokens=4)
+    session.conversations = HeldConversations(limit=8)
+    edge = too_long(limited, session)
+    for seed in (1, 2):
+        next_turn(session, random_prompt(model_dir("llama"), edge // 8, seed=seed))
+        session.raw_history = []
+    first, second = sorted(session.conversations.by_name.values(), key=lambda h: h.used)
+    low, high = 1000, edge  # the shortest prompt refused beside them
+    while high - low > 16:
+        middle = (low + high) // 2
+        low, high = (low, middle) if session.prompt_shortfall([7] * middle, 4) else (middle, high)
+    assert session.make_room([7] * high, 4) is None  # and so passes the check the prefill makes
+    assert set(session.conversations.by_name) == {second.name}
+    assert [s.sequences for s in limited.stats_once()] == [1, 1]
 
 
 def test_a_draft_model_is_counted_before_the_prefill_and_in_the_plan(limited, model_dir):

@@ -22,7 +22,8 @@ from helpers import VARIANTS, assert_same, done_event, next_turn, prefill_event,
 from references import low_precision_noise, reference_generate
 
 from cpchat.client.events import CacheLoaded, Token
-from cpchat.client.session import Session, common_prefix, load_tokenizer
+from cpchat.client.held import common_prefix
+from cpchat.client.session import Session, load_tokenizer
 from cpchat.core.algorithms import PREFILL_ALGORITHMS
 from cpchat.core.stages import Stages
 from cpchat.dirs import prefix_dir
@@ -192,7 +193,7 @@ def test_a_hybrid_model_split_into_stages_keeps_and_reloads_its_states(clusters,
     doc, first, second = document_and_questions(path, seed=47)
     got, _, session = ask(cluster, path, doc + first, documents_end=len(doc))
     assert_same(got, mlx_lm_generate(path, doc + first, MAX_TOKENS))
-    assert len(doc) in session.state_positions
+    assert len(doc) in session.held.state_positions
     got, events, _ = ask(cluster, path, doc + second)
     assert prefill_event(events).reused_tokens == len(doc)
     assert_same(got, mlx_lm_generate(path, doc + second, MAX_TOKENS))
@@ -210,7 +211,7 @@ def test_a_hybrid_model_reloads_its_linear_states(clusters, model_dir, ranks, em
     doc, first, second = document_and_questions(path, seed=40 + ranks)
     got, events, session = ask(cluster, path, doc + first, documents_end=len(doc))
     assert_same(got, mlx_lm_generate(path, doc + first, MAX_TOKENS))
-    assert len(doc) in session.state_positions
+    assert len(doc) in session.held.state_positions
     history = doc + first + [t for t, _ in got]
     for prompt, reused in ((doc + second, len(doc)), (doc + first + second, len(doc + first)),
                            (history + second, len(history) - 1)):
@@ -270,7 +271,7 @@ def test_a_ring_of_another_size_reshards_from_the_saved_shards(clusters, model_d
     assert prefill_event(events).reused_tokens == len(doc)
     assert [e.resharded for e in events if isinstance(e, CacheLoaded)] == [True]
     assert_same(got, mlx_lm_generate(path, doc + second, MAX_TOKENS))
-    assert sum(r.kv_tokens for r in done_event(events).ranks) == len(session.held)  # each token once
+    assert sum(r.kv_tokens for r in done_event(events).ranks) == len(session.held.tokens)  # each token once
 
 
 @pytest.mark.parametrize("saved_by, loaded_by", [

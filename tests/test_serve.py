@@ -21,8 +21,10 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 from conftest import DEMO_MODEL
+from helpers import random_prompt
 from prometheus_client.parser import text_string_to_metric_families
 from rankprocs import ranks_started_with, wait_gone
+from references import reference_generate, reference_tokenizer
 
 from cpchat.client.events import Token
 from cpchat.prompt import user_message
@@ -213,6 +215,9 @@ def test_metrics_count_what_was_asked_and_what_the_ranks_hold(server, model):
     assert added("cpchat_prompt_tokens_cached_total") == usage.prompt_tokens_details.cached_tokens
     assert added("cpchat_generation_tokens_total") == usage.completion_tokens
     assert added("cpchat_time_to_first_token_seconds_count") == 1
+    kept_from = usage.model_extra["cache"]
+    assert added("cpchat_requests_by_cache_total", cache=kept_from) == 1
+    assert after[("cpchat_conversations_held", ())] == server.health()["held_conversations"] >= 1
     assert status == 400 and added("cpchat_requests_refused_total", status="400") == 1
     assert after[("cpchat_queue_waiting", ())] == 0 and after[("cpchat_batch_size", ())] == 0
     held = {dict(labels)["rank"]: v for (name, labels), v in after.items() if name == "cpchat_rank_kv_tokens"}
@@ -223,14 +228,90 @@ def test_metrics_count_what_was_asked_and_what_the_ranks_hold(server, model):
         urllib.request.urlopen(unauthorised, timeout=30)
 
 
+def streamed_text(tokenizer, ids: list[int]) -> str:
+    """The text a stream of `ids` shows (an unfinished character at the end is not shown)."""
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    for t in ids:
+        detokenizer.add_token(t)
+    return detokenizer.text
+
+
+def test_conversations_return_from_memory_within_the_budget_and_from_disk_past_it(model, tmp_path):
+    """Three conversations on a server whose --kv-cache-bytes holds two: a return to one the ranks hold
+    prefills only its new tokens from memory; the least recently used goes once a third is held, and a
+    return to it loads it from the prefix cache on disk. After every answer no rank holds more than the
+    budget (as the ranks report it), and each answer is mlx-lm's."""
+    config = json.loads((model / "config.json").read_text())
+    token_bytes = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 4
+    budget = int(2.5 * token_bytes * 1150 / 2)  # two conversations of ~1,150 tokens on each of 2 ranks
+    s = start_server(["--model", str(model), "--ranks", "2", "--api-key", KEY,
+                      "--kv-cache-bytes", str(budget), "--cache-dir", str(tmp_path)])
+    try:
+        client, tokenizer = s.client(timeout=300), reference_tokenizer(model)
+        prompts = {c: random_prompt(model, 1100, seed=60 + i) for i, c in enumerate("ABC")}
+
+        def ask(c: str, expected_cache: str) -> None:
+            ids = prompts[c]
+            answer = client.completions.create(model=str(model), prompt=ids, max_tokens=4, temperature=0)
+            expected = [t for t, _ in reference_generate(model, ids, 4)]
+            assert answer.choices[0].text == streamed_text(tokenizer, expected)
+            usage = answer.usage
+            assert usage.model_extra["cache"] == expected_cache, (c, usage)
+            if expected_cache == "memory":
+                assert usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens <= 12 + 1, usage
+            elif expected_cache == "disk":
+                assert usage.prompt_tokens_details.cached_tokens >= 1100, usage
+            ranks = s.health()["ranks"]
+            assert all(r["kv_bytes"] + r["state_bytes"] <= budget for r in ranks), (budget, ranks)
+            prompts[c] = ids + expected + random_prompt(model, 12, seed=len(ids))
+
+        for c, cache in (("A", "none"), ("B", "none"), ("A", "memory"), ("B", "memory"), ("C", "none"),
+                         ("B", "memory"), ("A", "disk")):
+            ask(c, cache)
+        assert s.health()["held_conversations"] == 2
+    finally:
+        s.process.send_signal(signal.SIGTERM)
+        assert s.process.wait(timeout=60) == 0, "".join(s.lines)
+
+
+def test_a_rank_that_dies_fails_its_answer_and_the_server_starts_the_ranks_again(model):
+    """A rank killed mid-answer: the stream ends with an error naming the rank; the next request finds
+    the ranks silent, has fresh ones started and the model loaded, and is answered; no rank of the old
+    ring is left running."""
+    s = start_server(["--model", str(model), "--ranks", "2", "--api-key", KEY, "--no-cache"])
+    try:
+        old = ranks_started_with("--parent-pid", lambda value: value == str(s.process.pid))
+        client = s.client(timeout=300)
+        chunks = iter(client.chat.completions.create(
+            model=str(model), messages=[{"role": "user", "content": PROMPT}], max_tokens=100_000, stream=True,
+            extra_body={"ignore_eos": True}))
+        for _ in range(3):  # the answer's tokens are coming
+            next(chunks)
+        old[1].kill()
+        with pytest.raises(openai.APIError, match=r"rank \d \(127\.0\.0\.1:\d+\)"):
+            for _ in chunks:
+                pass
+        messages = [{"role": "user", "content": PROMPT}]
+        answer = client.chat.completions.create(model=str(model), messages=messages, max_tokens=4)
+        assert answer.usage.completion_tokens >= 1
+        assert wait_gone(lambda: [p for p in old if p.is_running()]) == [], "the old ring's ranks are gone"
+        new = ranks_started_with("--parent-pid", lambda value: value == str(s.process.pid))
+        assert len(new) == 2 and not {p.pid for p in new} & {p.pid for p in old}
+        assert any("stopped answering; starting the ranks again" in line for line in s.lines), s.lines
+    finally:
+        s.process.send_signal(signal.SIGTERM)
+        assert s.process.wait(timeout=60) == 0, "".join(s.lines)
+
+
 def test_a_client_that_goes_away_frees_the_ranks(server, model):
     before = server.health()["cancelled"]
     client = server.client()
     messages = [{"role": "user", "content": PROMPT}]
     # the ranks first hold this prompt (a one-token answer's K/V are never computed), so what the stopped
     # answer leaves them is known: the prompt less its last token, which that answer prefilled again
-    prompt = client.chat.completions.create(model=str(model), messages=messages, max_tokens=1).usage
-    assert server.health()["held_tokens"] == prompt.prompt_tokens
+    client.chat.completions.create(model=str(model), messages=messages, max_tokens=1)
+    held = server.health()["held_tokens"]  # of every conversation the ranks keep
     stream = client.chat.completions.create(model=str(model), messages=messages, max_tokens=100_000,
                                             stream=True, extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
@@ -241,7 +322,7 @@ def test_a_client_that_goes_away_frees_the_ranks(server, model):
     # the ranks stopped and rolled back to what they held before the answer, however far it had got:
     # none of its tokens are held, nor is the conversation before it lost; the ranks hold what the
     # session counts
-    assert health["held_tokens"] == prompt.prompt_tokens - 1, "held: what came before the stopped answer"
+    assert health["held_tokens"] == held - 1, "held: what came before the stopped answer"
     assert sum(r["kv_tokens"] for r in health["ranks"]) == health["held_tokens"]
     answer = client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": "Hi"}],
                                             max_tokens=3)
@@ -338,7 +419,9 @@ def test_fifty_requests_from_four_clients_all_answered_memory_flat(server, model
     assert all(a.usage.completion_tokens >= 1 for _, a in answers)
     after = server.health()
     assert after["served"] == before["served"] + 50
-    assert sum(r["kv_tokens"] for r in after["ranks"]) < 100, "the ranks hold one short conversation"
+    # each question its own short conversation, kept: the ranks hold what the server counts, no more
+    assert all(r["conversations"] == after["held_conversations"] for r in after["ranks"])
+    assert sum(r["kv_tokens"] for r in after["ranks"]) == after["held_tokens"]
     for old, new in zip(before["ranks"], after["ranks"], strict=True):
         assert new["rss_bytes"] < old["rss_bytes"] * 1.25 + (32 << 20), (old, new)
 

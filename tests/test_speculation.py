@@ -395,7 +395,7 @@ def test_a_cancelled_answer_leaves_the_ring_exact(clusters, model_dir):
             tokens += 1
             if tokens == 1:
                 session.cancel()
-    assert 1 <= tokens < 4000 and session.held == []  # the cancelled turn is dropped whole
+    assert 1 <= tokens < 4000 and session.held.tokens == []  # the cancelled turn is dropped whole
     before, new = list(session.raw_history), random_prompt(path, 7, seed=29)
     session.sampling.max_tokens = MAX_TOKENS
     got, _ = next_turn(session, new)

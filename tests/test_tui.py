@@ -625,7 +625,7 @@ async def test_a_resumed_conversation_loads_its_saved_prefix(make_app, monkeypat
     again = make_app(resume=app.chat.conversation.store.path)
     async with again.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        assert again.chat.backend.session.held == []
+        assert again.chat.backend.session.held.tokens == []
         notes = again._notifications
         await until(pilot, lambda: any("the ranks saved" in n.message for n in notes), what="the saved part")
         bar, labels = again.query_one(WorkBar), []

@@ -379,9 +379,10 @@ class Cluster:
 
     # ---- requests
 
-    def reset(self, keep_tokens: int = 0) -> None:
-        self._each(lambda r: r.control.Reset(pb.ResetRequest(keep_tokens=keep_tokens), timeout=30,
-                                             metadata=self.metadata))
+    def reset(self, keep_tokens: int = 0, sequence: str | None = None) -> None:
+        """Keep the first `keep_tokens` of a conversation the ranks hold (0: let it go; None: every one)."""
+        request = pb.ResetRequest(keep_tokens=keep_tokens, sequence=sequence or "", every=sequence is None)
+        self._each(lambda r: r.control.Reset(request, timeout=30, metadata=self.metadata))
 
     def find_prefixes(self, tokens: list[int]) -> list[list[SavedPrefix]]:
         """What each rank has saved on its disk that begins like `tokens`."""
@@ -402,11 +403,11 @@ class Cluster:
             raise BackendError(self._describe(r, e, "a draft model's load")) from None
         return DraftHeld(reply.weight_bytes, reply.token_bytes, reply.tokens_held)
 
-    def load_prefix(self, choice: PrefixChoice) -> PrefixLoaded:
-        """Every rank takes the saved prefix. PrefixGone: some rank no longer
-        has it (or found its file unreadable); the ranks' KV is then undefined until a reset."""
+    def load_prefix(self, choice: PrefixChoice, sequence: str = "") -> PrefixLoaded:
+        """Every rank takes the saved prefix as conversation `sequence`. PrefixGone: some rank no longer
+        has it (or found its file unreadable); that conversation is then undefined until a reset."""
         request = pb.LoadPrefixRequest(prefix_id=choice.prefix_id, num_ranks=choice.num_ranks,
-                                       tokens=choice.tokens)
+                                       tokens=choice.tokens, sequence=sequence)
         futures = [self._pool.submit(r.control.LoadPrefix, request, timeout=600, metadata=self.metadata)
                    for r in self.ranks]
         wait(futures)

@@ -151,6 +151,7 @@ class RankStats:
     peak_rss_bytes: int = 0
     data_plane_bytes_sent: int = 0  # through the ranks' mx.distributed group (--transport mlx)
     state_bytes: int = 0  # recurrent states and convolution halos of linear-attention layers
+    sequences: int = 0  # the conversations the rank holds (the counts above are all of theirs)
     algorithm: str = ""
     ring_steps: list[RingStep] = field(default_factory=list)
     error: str = ""

@@ -55,15 +55,28 @@ class Frontend:
         self.tokenizer = load_tokenizer(self.tokenizer_dir or self.model_path)
         self.speculate = self._speculation(self.tokenizer, self.model_path, report)
         if self.cluster is None:
-            report("connect", 0, self.settings.ranks)
-            cluster = connect_cluster(self.options, self.settings.ranks, self.settings.blas,
-                                      rank_flags(self.settings), self.settings.threads)
-            self.cluster, self.own_cluster = cluster, True
+            self._connect(report)
             if self.closing.is_set():
                 return description
         if self.cluster.model is None:
             self._load(self.model_path, report)
         return description
+
+    def _connect(self, report: Report) -> None:
+        report("connect", 0, self.settings.ranks)
+        self.cluster = connect_cluster(self.options, self.settings.ranks, self.settings.blas,
+                                       rank_flags(self.settings), self.settings.threads)
+        self.own_cluster = True
+
+    def reconnect(self, report: Report) -> None:
+        """After ranks stopped answering: launch fresh local ones (or reach the attached ones again), load
+        the model, and have the session go on there. BackendError if they cannot be reached."""
+        assert self.model_path is not None
+        if self.own_cluster and self.cluster is not None:
+            self.cluster.close()
+        self.cluster = None
+        self._connect(report)
+        self._load(self.model_path, report)
 
     def relaunch(self, report: Report) -> None:
         """Replace the ranks with fresh local ones and load the model again."""

@@ -26,6 +26,7 @@ class GenerationRequest:
     speculation: str = "off"
     draft_tokens: int = 0  # tokens proposed a step; 0: adaptive (lookup) or 3 (a draft model)
     draft_model: str = ""  # "draft": the model that proposes, as the ranks resolve a model
+    sequence: str = ""  # the conversation the ranks continue (each held by name)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class RankDone:
     proposed: int = 0  # speculative decoding: tokens proposed and accepted, and the decode steps
     accepted: int = 0
     decode_steps: int = 0
+    held_bytes: int = 0  # K/V and states of every conversation the rank holds
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ def generate_request(g: GenerationRequest) -> pb.GenerateRequest:
         stop_tokens=g.stop_tokens, decode=pb.Decode.Value(BY_NAME[g.decode].wire), save_prefix=g.save_prefix,
         keep_state_at=g.keep_state_at, shares=g.shares,
         speculation=pb.Speculation.Value(f"SPECULATION_{g.speculation.upper()}"), draft_tokens=g.draft_tokens,
-        draft_model=g.draft_model,
+        draft_model=g.draft_model, sequence=g.sequence,
     )
 
 
@@ -43,7 +43,8 @@ def generation_event(e: pb.GenerateEvent) -> GenerationEvent:
 
 def rank_done(d: pb.GenerateDone) -> RankDone:
     return RankDone(d.kv_tokens, d.kv_bytes, d.rss_bytes, d.cached_tokens, d.cancelled, d.keep_floor,
-                    d.state_bytes, tuple(d.state_positions), d.proposed, d.accepted, d.decode_steps)
+                    d.state_bytes, tuple(d.state_positions), d.proposed, d.accepted, d.decode_steps,
+                    d.held_bytes)
 
 
 def rank_stats(r: RankHandle, s: pb.RankStats) -> RankStats:
@@ -51,7 +52,7 @@ def rank_stats(r: RankHandle, s: pb.RankStats) -> RankStats:
         rank=r.rank, address=r.address, state=s.state, kv_tokens=s.kv_tokens, kv_bytes=s.kv_bytes,
         rss_bytes=s.rss_bytes, mlx_active_bytes=s.mlx_active_bytes, mlx_peak_bytes=s.mlx_peak_bytes,
         peak_rss_bytes=s.peak_rss_bytes, data_plane_bytes_sent=s.data_plane_bytes_sent,
-        state_bytes=s.state_bytes, algorithm=s.algorithm, blas=r.blas_label,
+        state_bytes=s.state_bytes, sequences=s.sequences, algorithm=s.algorithm, blas=r.blas_label,
         slow_blas=r.slow_blas, threads=r.blas.threads,
         ring_steps=[RingStep(t.layer, t.step, t.compute_ms, t.wait_ms, t.bytes_sent) for t in s.ring_steps],
     )

@@ -24,6 +24,7 @@ from cpchat.client.events import (
     Token,
 )
 from cpchat.client.generation import GenerationDone, GenerationRequest, LayerDone, PrefillDone, TokenOut
+from cpchat.client.held import Held, HeldConversations, common_prefix
 from cpchat.client.memory import MemoryShortfall
 from cpchat.client.planner import Planner
 from cpchat.client.prefixes import MIN_GAIN, PrefixChoice, PrefixGone, choose_prefix
@@ -82,21 +83,12 @@ def load_tokenizer(model: str):
     return load_wrapper(path)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Session:
     # Set on purpose only: the prefill algorithm and the decode step are the planner's now, and an
     # attribute of the old name would be ignored without a word.
-    __slots__ = ("_cancel", "cluster", "draft_tokens", "held", "keep_floor", "last_choice", "messages",
-                 "planner", "prefix_cache", "raw", "raw_history", "sampling", "save_min_tokens", "saved",
-                 "speculate", "state_positions", "tokenizer", "turn_index")
+    __slots__ = ("_cancel", "cluster", "conversations", "draft_tokens", "last_choice", "messages",
+                 "planner", "prefix_cache", "raw", "raw_history", "sampling", "save_min_tokens", "speculate",
+                 "tokenizer", "turn_index")
 
     def __init__(
         self,
@@ -117,7 +109,6 @@ class Session:
         # what is new, and another question about it saves nothing (the document is saved already).
         self.prefix_cache = prefix_cache
         self.save_min_tokens = SAVE_MIN_TOKENS
-        self.saved = 0  # of the tokens the ring holds, how many begin a prefix saved on its disks
         # The prefill algorithm, the decode step ("exchange", "ring", "lead", "gather"; or "auto") and
         # each rank's share of a prompt, chosen from the ranks' measurements.
         self.planner = Planner(cluster, algorithm, decode, shares)
@@ -128,9 +119,8 @@ class Session:
         self.speculate, self.draft_tokens = speculate, draft_tokens
         self.messages: list[Message] = []
         self.raw_history: list[int] = []  # --raw: every prompt and generated token so far
-        self.held: list[int] = []  # tokens whose K/V the ring holds
-        self.keep_floor = 0  # a later turn keeps at least this many held tokens, or none
-        self.state_positions: list[int] = []  # where linear layers' states roll back to (besides all held)
+        # What the ranks hold: this conversation, or (a server's) several, by name (cpchat.client.held).
+        self.conversations = HeldConversations()
         self.turn_index = 0
         self.last_choice: AlgorithmChoice | None = None
         self._cancel = threading.Event()
@@ -149,10 +139,12 @@ class Session:
 
     def _kept(self, full: list[int]) -> int:
         """How many of `full`'s tokens the ring already holds and can keep."""
-        keep = min(common_prefix(self.held, full), len(full) - 1)
-        if self.state_positions:  # a recurrent state goes back only to where the ranks kept one
-            keep = max((p for p in (*self.state_positions, len(self.held)) if p <= keep), default=0)
-        return 0 if keep < self.keep_floor else keep  # sliding-window layers no longer hold what keep needs
+        return self.conversations.continued(full)[1]
+
+    @property
+    def held(self) -> Held:
+        """The conversation the last turn ran on the ranks."""
+        return self.conversations.current
 
     @property
     def context_limit(self) -> int:
@@ -173,7 +165,7 @@ class Session:
             tokens = list(self.tokenizer.apply_chat_template(chat)) if chat else []
         if not tokens:
             return 0, 0, None
-        held = min(common_prefix(self.held, tokens), len(tokens))
+        held = min(common_prefix(self.held.tokens, tokens), len(tokens))
         saved = self.saved_tokens(tokens, len(tokens), held)
         keep = max(held, saved)
         return len(tokens), saved, self.planner.prefill_seconds(len(tokens) - keep, keep)
@@ -189,7 +181,8 @@ class Session:
     def _may_load(self, tokens: list[int], keep: int) -> bool:
         """Whether a saved prefix could beat what the ring holds: not when the ring holds this very
         conversation (a later turn's), nor when too little is left to prefill."""
-        continued = bool(self.held) and keep >= len(self.held) - MIN_GAIN
+        held = self.conversations.continued(tokens)[0]
+        continued = held is not None and keep >= len(held.tokens) - MIN_GAIN
         return self.prefix_cache and not continued and len(tokens) - 1 - keep >= MIN_GAIN
 
     def new_tokens(self, turn: Turn) -> int:
@@ -226,23 +219,42 @@ class Session:
 
     # ---- a turn
 
-    def _reuse_saved(self, full: list[int], keep: int) -> PrefixChoice | None:
-        """Load the longest prefix of `full` the ranks saved on disk, if it beats the `keep` tokens the
-        ring holds; the one loaded. A prefix gone meanwhile leaves the ring empty."""
-        if not self._may_load(full, keep):
-            return None
-        choice = choose_prefix(self.cluster.find_prefixes(full), len(full) - 1, keep, self.cluster.ring_size)
+    def _continue(self, full: list[int]) -> tuple[int, PrefixChoice | None]:
+        """Run the held conversation that keeps most of `full`, or a new one (where the ranks load the
+        longest prefix of it saved on disk, if that beats what they hold); the tokens kept, and the
+        prefix loaded. A prefix gone meanwhile leaves the new conversation empty."""
+        held, keep = self.conversations.continued(full)
+        choice = None
+        if self._may_load(full, keep):
+            choice = choose_prefix(self.cluster.find_prefixes(full), len(full) - 1, keep,
+                                   self.cluster.ring_size)
+        self._let_go(self.conversations.run(held if choice is None else None))
         if choice is None:
-            return None
+            return keep, None
+        held = self.conversations.current
         try:
-            loaded = self.cluster.load_prefix(choice)
+            loaded = self.cluster.load_prefix(choice, held.name)
         except PrefixGone:
-            self.cluster.reset(0)
-            self.held, self.keep_floor, self.state_positions, self.saved = [], 0, [], 0
-            return None
-        self.held, self.saved = full[: choice.tokens], choice.tokens
-        self.keep_floor, self.state_positions = loaded.keep_floor, list(loaded.state_positions)
-        return choice
+            self.cluster.reset(0, held.name)
+            return 0, None
+        held.tokens, held.saved = full[: choice.tokens], choice.tokens
+        held.keep_floor, held.state_positions = loaded.keep_floor, list(loaded.state_positions)
+        return held.kept(full), choice
+
+    def _let_go(self, names: list[str]) -> None:
+        for name in names:
+            self.cluster.reset(0, name)
+
+    def make_room(self, tokens: list[int], answer_tokens: int) -> MemoryShortfall | None:
+        """The memory check of `prompt_shortfall`, after letting held conversations go, least recently
+        used first, while it fails and another is held."""
+        while (refused := self.prompt_shortfall(tokens, answer_tokens)) is not None:
+            other = self.conversations.least_recent(besides=self.conversations.continued(tokens)[0])
+            if other is None:
+                return refused
+            self.conversations.let_go(other.name)
+            self._let_go([other.name])
+        return None
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -251,17 +263,13 @@ class Session:
     def attach(self, cluster: Cluster) -> None:
         """Continue on another cluster (e.g. relaunched ranks): the next turn re-prefills everything."""
         self.cluster = self.planner.cluster = cluster
-        self.held = []
-        self.keep_floor = self.saved = 0
-        self.state_positions = []
+        self.conversations.clear()
 
     def reset(self) -> None:
-        self.cluster.reset(0)
+        self.cluster.reset(0)  # every conversation the ranks hold
+        self.conversations.clear()
         self.messages.clear()
         self.raw_history.clear()
-        self.held.clear()
-        self.keep_floor = self.saved = 0
-        self.state_positions = []
 
     def prepare(self, text: str, docs: Sequence[Document | str | Path] = ()) -> Turn:
         """A user turn (documents first, read here when given as paths) and its prompt's token ids."""
@@ -317,14 +325,13 @@ class Session:
             raise BadInput(f"token id {bad[0]} is outside the model's vocabulary (size {vocab})")
         self._cancel.clear()
         t_start = time.perf_counter()
-        keep = self._kept(full)
-        cache = "memory" if keep else "none"
-        loaded = self._reuse_saved(full, keep)
+        keep, loaded = self._continue(full)
+        held = self.conversations.current
+        cache = "disk" if loaded else "memory" if keep else "none"
         load_ms = round(1000 * (time.perf_counter() - t_start), 1)
         if loaded is not None:
-            keep, cache = self._kept(full), "disk"
             yield CacheLoaded(self.turn_index, keep, load_ms, loaded.resharded(self.cluster.ring_size))
-        self.saved = min(self.saved, keep)  # a rewritten conversation no longer begins like its save
+        held.saved = min(held.saved, keep)  # a rewritten conversation no longer begins like its save
         new = full[keep:]
         choice = self.planner.choose_algorithm(len(new), keep)
         answer_tokens = self.sampling.max_tokens if max_tokens is None else max_tokens
@@ -340,12 +347,12 @@ class Session:
             algorithm=choice.algorithm, decode=self.planner.decode_exchange(len(full), answer_tokens),
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed,
             stop_tokens=[] if self.sampling.ignore_eos else sorted(self.tokenizer.eos_token_ids),
-            save_prefix=self.prefix_cache and len(full) - self.saved >= self.save_min_tokens,
+            save_prefix=self.prefix_cache and len(full) - held.saved >= self.save_min_tokens,
             keep_state_at=max(documents_end - keep, 0) if self.prefix_cache and linear else 0,
             shares=shares or (),
             top_logprobs=self.sampling.top_logprobs,
             speculation=mode if mode in ("off", "draft") else "lookup", draft_tokens=self.draft_tokens,
-            draft_model=self._draft_model(),
+            draft_model=self._draft_model(), sequence=held.name,
         )
         turn = self.turn_index
         detok = self.tokenizer.detokenizer
@@ -381,11 +388,13 @@ class Session:
                 yield Token(turn, event.id, detok.last_segment, event.logprob, event.top)
             elif isinstance(event, GenerationDone):
                 done = event.done
-        self.held = (full + generated)[: done.cached_tokens]
+        held.tokens = (full + generated)[: done.cached_tokens]
         if request.save_prefix and not done.cancelled:
-            self.saved = len(self.held)
-        self.keep_floor = done.keep_floor
-        self.state_positions = list(done.state_positions)
+            held.saved = len(held.tokens)
+        held.keep_floor, held.state_positions = done.keep_floor, list(done.state_positions)
+        dones = [res.done for _, res in sorted(self.cluster.last_results.items())]
+        held.rank_bytes = tuple(d.kv_bytes + d.state_bytes if d else 0 for d in dones)
+        self._let_go(self.conversations.over_budget())
         if self.raw:
             self.raw_history = full + generated
         self.turn_index += 1

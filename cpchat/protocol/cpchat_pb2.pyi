@@ -198,7 +198,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens", "decode", "save_prefix", "keep_state_at", "shares", "speculation", "draft_tokens", "draft_model")
+    __slots__ = ("request_id", "keep_tokens", "tokens", "algorithm", "max_tokens", "sampling", "stop_tokens", "decode", "save_prefix", "keep_state_at", "shares", "speculation", "draft_tokens", "draft_model", "sequence")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class GenerateRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     keep_tokens: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -227,7 +228,8 @@ class GenerateRequest(_message.Message):
     speculation: Speculation
     draft_tokens: int
     draft_model: str
-    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[Decode, str]] = ..., save_prefix: _Optional[bool] = ..., keep_state_at: _Optional[int] = ..., shares: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., draft_tokens: _Optional[int] = ..., draft_model: _Optional[str] = ...) -> None: ...
+    sequence: str
+    def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[Decode, str]] = ..., save_prefix: _Optional[bool] = ..., keep_state_at: _Optional[int] = ..., shares: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., draft_tokens: _Optional[int] = ..., draft_model: _Optional[str] = ..., sequence: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("prefill", "token", "done", "progress")
@@ -274,7 +276,7 @@ class TokenEvent(_message.Message):
     def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateDone(_message.Message):
-    __slots__ = ("kv_tokens", "kv_bytes", "rss_bytes", "cached_tokens", "cancelled", "keep_floor", "state_bytes", "state_positions", "proposed", "accepted", "decode_steps")
+    __slots__ = ("kv_tokens", "kv_bytes", "rss_bytes", "cached_tokens", "cancelled", "keep_floor", "state_bytes", "state_positions", "proposed", "accepted", "decode_steps", "held_bytes")
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +288,7 @@ class GenerateDone(_message.Message):
     PROPOSED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     kv_tokens: int
     kv_bytes: int
     rss_bytes: int
@@ -297,7 +300,8 @@ class GenerateDone(_message.Message):
     proposed: int
     accepted: int
     decode_steps: int
-    def __init__(self, kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cancelled: _Optional[bool] = ..., keep_floor: _Optional[int] = ..., state_bytes: _Optional[int] = ..., state_positions: _Optional[_Iterable[int]] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., decode_steps: _Optional[int] = ...) -> None: ...
+    held_bytes: int
+    def __init__(self, kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cancelled: _Optional[bool] = ..., keep_floor: _Optional[int] = ..., state_bytes: _Optional[int] = ..., state_positions: _Optional[_Iterable[int]] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., decode_steps: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -334,7 +338,7 @@ class RingStep(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., step: _Optional[int] = ..., compute_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
 
 class RankStats(_message.Message):
-    __slots__ = ("rank", "state", "kv_tokens", "kv_bytes", "rss_bytes", "mlx_active_bytes", "mlx_peak_bytes", "algorithm", "ring_steps", "peak_rss_bytes", "data_plane_bytes_sent", "state_bytes")
+    __slots__ = ("rank", "state", "kv_tokens", "kv_bytes", "rss_bytes", "mlx_active_bytes", "mlx_peak_bytes", "algorithm", "ring_steps", "peak_rss_bytes", "data_plane_bytes_sent", "state_bytes", "sequences")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +351,7 @@ class RankStats(_message.Message):
     PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     state: str
     kv_tokens: int
@@ -359,13 +364,18 @@ class RankStats(_message.Message):
     peak_rss_bytes: int
     data_plane_bytes_sent: int
     state_bytes: int
-    def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., algorithm: _Optional[str] = ..., ring_steps: _Optional[_Iterable[_Union[RingStep, _Mapping]]] = ..., peak_rss_bytes: _Optional[int] = ..., data_plane_bytes_sent: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
+    sequences: int
+    def __init__(self, rank: _Optional[int] = ..., state: _Optional[str] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_peak_bytes: _Optional[int] = ..., algorithm: _Optional[str] = ..., ring_steps: _Optional[_Iterable[_Union[RingStep, _Mapping]]] = ..., peak_rss_bytes: _Optional[int] = ..., data_plane_bytes_sent: _Optional[int] = ..., state_bytes: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ("keep_tokens",)
+    __slots__ = ("keep_tokens", "sequence", "every")
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EVERY_FIELD_NUMBER: _ClassVar[int]
     keep_tokens: int
-    def __init__(self, keep_tokens: _Optional[int] = ...) -> None: ...
+    sequence: str
+    every: bool
+    def __init__(self, keep_tokens: _Optional[int] = ..., sequence: _Optional[str] = ..., every: _Optional[bool] = ...) -> None: ...
 
 class ResetReply(_message.Message):
     __slots__ = ("kv_tokens",)
@@ -404,14 +414,16 @@ class FindPrefixesReply(_message.Message):
     def __init__(self, prefixes: _Optional[_Iterable[_Union[SavedPrefix, _Mapping]]] = ...) -> None: ...
 
 class LoadPrefixRequest(_message.Message):
-    __slots__ = ("prefix_id", "num_ranks", "tokens")
+    __slots__ = ("prefix_id", "num_ranks", "tokens", "sequence")
     PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     prefix_id: str
     num_ranks: int
     tokens: int
-    def __init__(self, prefix_id: _Optional[str] = ..., num_ranks: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+    sequence: str
+    def __init__(self, prefix_id: _Optional[str] = ..., num_ranks: _Optional[int] = ..., tokens: _Optional[int] = ..., sequence: _Optional[str] = ...) -> None: ...
 
 class LoadPrefixReply(_message.Message):
     __slots__ = ("kv_tokens", "keep_floor", "state_positions")

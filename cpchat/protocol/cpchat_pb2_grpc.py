@@ -154,7 +154,7 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reset(self, request, context):
-        """Drop the conversation's KV cache, or keep only its first keep_tokens.
+        """Drop a conversation's KV cache (or every one's), or keep only its first keep_tokens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

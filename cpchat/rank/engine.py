@@ -29,11 +29,12 @@ from cpchat.rank.draft import DraftModel, DraftModelError
 from cpchat.rank.forward import run_model
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.measures import MeasureStore
-from cpchat.rank.memory import free_bytes
+from cpchat.rank.memory import free_bytes, return_freed_blocks
 from cpchat.rank.model_load import ModelShape, load_model
 from cpchat.rank.prefix_cache import CacheMiss, Found
 from cpchat.rank.prefix_keeper import PrefixKeeper
 from cpchat.rank.prefix_shard import restore
+from cpchat.rank.sequences import Parked, why_not_keep
 from cpchat.rank.speculation import Speculation
 from cpchat.rank.stages import Handoff, StagePlace, context_ring
 from cpchat.rank.statestore import StateStore
@@ -50,7 +51,8 @@ def _shares(req: pb.GenerateRequest) -> Shares | None:
 
 
 class Engine:
-    """A loaded model plus this rank's KV shard; runs one request at a time."""
+    """A loaded model plus this rank's KV shard of the conversation it runs (others parked); runs one
+    request at a time."""
 
     def __init__(self, measures: MeasureStore | None = None, memory_limit: int | None = None) -> None:
         self.model = None
@@ -69,6 +71,7 @@ class Engine:
         self.keep_floor = 0
         self.model_name = ""
         self.prefix = PrefixKeeper()
+        self.parked = Parked()  # the conversations held besides the one running
         # The last token sampled and not yet read (the ring's next position): mlx-lm reads it alone.
         self.unread: tuple[int, int] | None = None
         self.stage_waits: list[float] = []  # seconds this request's prefill waited for the stage before
@@ -94,12 +97,32 @@ class Engine:
         key = self.measures.key(self.info.structure, stage.first, stage.end, self.weight_bytes)
         self.prefill_cost, self.forward_memory = self.measures.measured(
             key, lambda: measure_prefill(self.model, self.info))
-        self.kv = KVShard(self.info.num_layers, self.info.linear, kv_format, self.info.elsewhere)
+        self.kv = self._new_kv()
         self.states = StateStore()
         self.total_tokens = 0
         self.prefix.forget(0)
+        self.parked.clear()
         self.prefix.run_layers(self.info.place.first, self.info.place.end, self.info.place.stages > 1)
         return self.info
+
+    def _new_kv(self) -> KVShard:
+        return KVShard(self.info.num_layers, self.info.linear, self.info.kv_format, self.info.elsewhere)
+
+    def use(self, sequence: str) -> None:
+        """Run conversation `sequence`, parking the one running; one this rank does not hold starts empty."""
+        self.parked.switch(self, sequence, self._new_kv)
+
+    def release(self, sequence: str) -> None:
+        """Let conversation `sequence` go (the running one: to no tokens), its memory to the system."""
+        if not self.parked.release(sequence) and sequence == self.parked.running:
+            self.reset(0)
+        return_freed_blocks()
+
+    def forget_all(self) -> None:
+        """Let every conversation go (a new front end, or a ring whose shards were of another)."""
+        self.parked.clear()
+        self.reset(0)
+        return_freed_blocks()
 
     def reset(self, keep_tokens: int = 0) -> None:
         self._check_keep(keep_tokens)
@@ -113,16 +136,11 @@ class Engine:
         if keep_tokens == 0:
             self.keep_floor = 0
 
-    def _check_keep(self, keep_tokens: int) -> None:
-        if keep_tokens > self.total_tokens:
-            raise BadRequest(f"cannot keep {keep_tokens} tokens: the ring holds {self.total_tokens}")
-        if 0 < keep_tokens < self.keep_floor:
-            raise BadRequest(f"cannot keep {keep_tokens} tokens: sliding-window layers hold keys for "
-                             f"{self.keep_floor} tokens on; keep those or none")
-        if self.info.linear and keep_tokens not in (self.total_tokens, *self.states.snapshots):
-            held = ", ".join(map(str, sorted({self.total_tokens, *self.states.snapshots})))
-            raise BadRequest(f"cannot keep {keep_tokens} tokens: linear-attention layers hold their state "
-                             f"after {held} tokens only")
+    def _check_keep(self, keep_tokens: int, sequence: str | None = None) -> None:
+        """Refuse to keep what conversation `sequence` (None: the one running) cannot keep."""
+        held = self.parked.find(self, self.parked.running if sequence is None else sequence)
+        if reason := why_not_keep(held, keep_tokens, bool(self.info.linear)):
+            raise BadRequest(f"cannot keep {keep_tokens} tokens: {reason}")
 
     def _forget_outside_windows(self, prompt_end: int, rollback_to: int) -> None:
         """Sliding-window layers drop the keys no query from `prompt_end` on can see (q - k >= window),
@@ -242,7 +260,7 @@ class Engine:
         bad = [t for t in req.tokens if t >= self.info.vocab_size]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
-        self._check_keep(req.keep_tokens)
+        self._check_keep(req.keep_tokens, req.sequence)
         limit = self.info.exact_tokens
         if limit and req.keep_tokens + len(req.tokens) + req.max_tokens > limit:
             raise BadRequest(f"{self.info.model_type}'s RoPE changes with the sequence length past {limit} "
@@ -260,6 +278,8 @@ class Engine:
         together. On abort or failure the shard rolls back to keep_tokens. Sliding-window
         layers keep only the keys that queries from the end of the prompt on can see. `world` is the
         whole ring; a pipeline stage's context ranks are a part of it (cpchat.rank.stages)."""
+        if self.model is not None:
+            self.use(req.sequence)
         self.validate(req, world.size)
         ring = context_ring(world, self.info.place)
         self.reset(req.keep_tokens)
@@ -389,11 +409,13 @@ class Engine:
         """The saved prefixes that begin like `tokens`, saves under way included."""
         return self.prefix.find(self.info.identity, tokens) if self.model is not None else []
 
-    def load_prefix(self, prefix: str, num_ranks: int, tokens: int, ring: Ring) -> None:
-        """Hold a saved prefix cut to `tokens`: this rank's own shard of it, or (saved by a ring of
-        another size, on this disk) from every shard the positions a prefill would give this rank."""
+    def load_prefix(self, prefix: str, num_ranks: int, tokens: int, ring: Ring, sequence: str = "") -> None:
+        """Hold a saved prefix cut to `tokens` as conversation `sequence`: this rank's own shard of it, or
+        (saved by a ring of another size, on this disk) from every shard the positions a prefill would
+        give this rank."""
         if self.model is None:
             raise BadRequest("no model is loaded")
+        self.use(sequence)
         ring = context_ring(ring, self.info.place)
         cache = self.prefix.cache
         if cache is None:

@@ -164,14 +164,14 @@ class ControlServicer(pb_grpc.ControlServicer):
             yield item
 
     def _done(self, cancelled: bool) -> pb.GenerateDone:
-        kv = self.s.engine.kv
+        engine = self.s.engine
         return pb.GenerateDone(
-            kv_tokens=len(kv), kv_bytes=kv.nbytes, rss_bytes=psutil.Process().memory_info().rss,
-            cached_tokens=self.s.engine.total_tokens, cancelled=cancelled,
-            keep_floor=self.s.engine.keep_floor, state_bytes=self.s.engine.states.nbytes,
-            state_positions=self.s.engine.state_positions,
-            proposed=self.s.engine.speculated[0], accepted=self.s.engine.speculated[1],
-            decode_steps=self.s.engine.speculated[2],
+            kv_tokens=len(engine.kv), kv_bytes=engine.kv.nbytes, rss_bytes=psutil.Process().memory_info().rss,
+            cached_tokens=engine.total_tokens, cancelled=cancelled,
+            keep_floor=engine.keep_floor, state_bytes=engine.states.nbytes,
+            state_positions=engine.state_positions,
+            proposed=engine.speculated[0], accepted=engine.speculated[1],
+            decode_steps=engine.speculated[2], held_bytes=sum(engine.parked.totals(engine)[1:]),
         )
 
     def Cancel(self, request, context):
@@ -203,10 +203,20 @@ class ControlServicer(pb_grpc.ControlServicer):
         with self._between_generations(context):
             try:
                 if self.s.engine.kv is not None:
-                    self.s.on_mlx(self.s.engine.reset, request.keep_tokens)
+                    self.s.on_mlx(self._reset, request)
             except BadRequest as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.ResetReply(kv_tokens=len(self.s.engine.kv) if self.s.engine.kv else 0)
+
+    def _reset(self, request: pb.ResetRequest) -> None:
+        engine = self.s.engine
+        if request.every:
+            engine.forget_all()
+        elif request.keep_tokens:
+            engine.use(request.sequence)
+            engine.reset(request.keep_tokens)
+        else:
+            engine.release(request.sequence)
 
     def FindPrefixes(self, request, context):
         found = self.s.engine.find_prefixes(list(request.tokens))
@@ -221,7 +231,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                 if self.s.ring is None:
                     raise NotNow("this rank is not part of a ring yet (Configure first)")
                 self.s.on_mlx(engine.load_prefix, request.prefix_id, request.num_ranks, request.tokens,
-                              self.s.ring)
+                              self.s.ring, request.sequence)
             except CacheMiss as e:
                 context.abort(grpc.StatusCode.NOT_FOUND, str(e))
             except BadRequest as e:

@@ -195,7 +195,7 @@ class RankState:
             self.ring = Ring(rank, len(addresses), links, Mailbox(self.validate_frame, self.shm))
             self.calibrations = 0  # probe ids must agree across the ring, a replacement rank included
             if self.engine.kv is not None:
-                self.on_mlx(self.engine.reset, 0)
+                self.on_mlx(self.engine.forget_all)
             return [links[peer].transport if peer in links else "" for peer in range(len(addresses))]
         finally:
             self.busy.release()
@@ -299,18 +299,20 @@ class RankState:
         return True
 
     def stats(self) -> pb.RankStats:
-        kv = self.engine.kv
+        engine = self.engine
+        tokens, kv_bytes, state_bytes = engine.parked.totals(engine) if engine.kv else (0, 0, 0)
         return pb.RankStats(
             rank=self.rank,
             state=self.state,
-            kv_tokens=len(kv) if kv else 0,
-            kv_bytes=kv.nbytes if kv else 0,
+            kv_tokens=tokens,
+            kv_bytes=kv_bytes,
             rss_bytes=psutil.Process().memory_info().rss,
             mlx_active_bytes=mx.get_active_memory(),
             mlx_peak_bytes=mx.get_peak_memory(),
             peak_rss_bytes=peak_rss_bytes(),
             data_plane_bytes_sent=self.data_plane.bytes_sent if self.data_plane else 0,
-            state_bytes=self.engine.states.nbytes,
+            state_bytes=state_bytes,
+            sequences=len(self.engine.parked) + bool(self.engine.total_tokens),
             algorithm=self.engine.last_algorithm,
             ring_steps=[
                 pb.RingStep(layer=t.layer, step=t.step, compute_ms=t.compute_ms, wait_ms=t.wait_ms,

@@ -137,11 +137,12 @@ class Generation:
         generated = 0
         while (event := await self._events.get()) is not _END:
             if isinstance(event, BaseException):
-                raise _api_error(event)
+                raise api_error_of(event)
             if isinstance(event, Progress):
                 yield event
             elif isinstance(event, Prefill):
                 self.outcome.cached_tokens, self.outcome.algorithm = event.reused_tokens, event.algorithm
+                self.outcome.cache = event.cache
             elif isinstance(event, Token) and not self.stop.stopped:
                 generated += 1
                 piece = self.stop.add(event)
@@ -167,7 +168,7 @@ class Generation:
             await self._done.wait()
 
 
-def _api_error(error: BaseException) -> ApiError:
+def api_error_of(error: BaseException) -> ApiError:
     if isinstance(error, ApiError):
         return error
     if isinstance(error, BadInput):

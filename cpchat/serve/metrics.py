@@ -31,7 +31,10 @@ class ServerMetrics:
                               "to its first token", buckets=TTFT_BUCKETS_S, registry=r)
         self.per_token = Histogram("cpchat_time_per_output_token_seconds", "A request's mean time per token "
                                    "after its first", buckets=TOKEN_BUCKETS_S, registry=r)
+        self.kept_from = Counter("cpchat_requests_by_cache", "Answered requests by where their kept prompt "
+                                 "tokens came from: memory, disk or none", ["cache"], registry=r)
         self.waiting = Gauge("cpchat_queue_waiting", "Requests waiting for the ranks", registry=r)
+        self.conversations = Gauge("cpchat_conversations_held", "Conversations the ranks hold", registry=r)
         self.batch = Gauge("cpchat_batch_size", "Requests running on the ranks now", registry=r)
         self.kv_bytes = Gauge("cpchat_rank_kv_bytes", "Bytes of K/V (and linear layers' states) each rank "
                               "holds", ["rank", "address"], registry=r)
@@ -45,12 +48,14 @@ class ServerMetrics:
         self.generated_tokens.inc(outcome.completion_tokens)
         if answered and outcome.completion_tokens:
             self.ttft.observe(outcome.ttft_ms / 1000)
+            self.kept_from.labels(outcome.cache).inc()
         if answered and outcome.completion_tokens > 1 and outcome.decode_tokens_per_s > 0:
             self.per_token.observe(1 / outcome.decode_tokens_per_s)
 
-    def text(self, waiting: int, running: int, ranks: list[RankStats]) -> bytes:
+    def text(self, waiting: int, running: int, conversations: int, ranks: list[RankStats]) -> bytes:
         """The exposition, with the queue and the ranks' holdings as they are now."""
         self.waiting.set(waiting)
+        self.conversations.set(conversations)
         self.batch.set(running)
         self.kv_bytes.clear()
         self.kv_tokens.clear()

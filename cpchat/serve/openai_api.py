@@ -3,7 +3,8 @@ chunks built from them. Pure: no I/O, nothing of the ranks.
 
 Fields follow the OpenAI reference; where it is silent, mlx_lm.server's and llama.cpp's names
 (`ignore_eos`, `timings`). Extensions ride in `usage`: `prompt_tokens_details.cached_tokens` (the
-OpenAI field: the prompt tokens the ranks already held), `ttft_ms` and `algorithm`.
+OpenAI field: the prompt tokens the ranks already held), `ttft_ms`, `algorithm` and `cache` (where
+the held tokens came from: "memory", "disk" or "none").
 """
 
 from __future__ import annotations
@@ -187,13 +188,14 @@ class Outcome:
     ttft_ms: float = 0.0
     decode_tokens_per_s: float = 0.0
     algorithm: str = ""
+    cache: str = "none"  # where the kept prompt tokens came from: "memory" | "disk" | "none"
     finish_reason: str = "stop"  # "stop" (the model ended, or a stop string) | "length"
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-                "ttft_ms": self.ttft_ms, "algorithm": self.algorithm}
+                "ttft_ms": self.ttft_ms, "algorithm": self.algorithm, "cache": self.cache}
 
     def timings(self) -> dict:
         """llama.cpp's timings block."""

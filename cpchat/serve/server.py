@@ -29,10 +29,11 @@ from cpchat.checkpoints.resolve import DownloadLines
 from cpchat.client.connect import ClusterOptions, is_loopback
 from cpchat.client.events import Progress, Token
 from cpchat.client.frontend import Frontend
+from cpchat.client.held import HeldConversations
 from cpchat.client.session import Session
 from cpchat.client.settings import resolve_settings
 from cpchat.errors import BackendError, BadInput
-from cpchat.serve.generation import Generation, Piece, RankQueue
+from cpchat.serve.generation import Generation, Piece, RankQueue, api_error_of
 from cpchat.serve.metrics import ServerMetrics
 from cpchat.serve.openai_api import (
     ApiError,
@@ -51,6 +52,7 @@ from cpchat.serve.openai_api import (
 MAX_REQUEST_BYTES = 64 << 20  # a request body past this is refused (413)
 DRAIN_FACTOR = 4  # a body up to this many times the bound is read (and dropped) before its 413
 SHUTDOWN_GRACE_S = 5  # on SIGTERM, answers under way get this long to finish
+HELD_CONVERSATIONS = 64  # conversations the ranks keep at most (besides --kv-cache-bytes)
 
 
 def say(line: str) -> None:
@@ -61,8 +63,10 @@ class Service:
     """What the routes delegate to: the model's name, the session on the ranks and their queue."""
 
     def __init__(self, session: Session, model_id: str, defaults: GenerationParams, max_queue: int,
-                 max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int = MAX_REQUEST_BYTES, reconnect: Callable[[], None] | None = None
+                 ) -> None:
         self.session, self.model_id, self.defaults = session, model_id, defaults
+        self.reconnect = reconnect  # ranks that stopped answering: start or reach them again
         self.queue = RankQueue(max_queue)
         self.max_request_bytes = max_request_bytes
         self.metrics = ServerMetrics()
@@ -111,7 +115,8 @@ class Service:
         params = self.fit(tokens, params)
         await self.queue.acquire()
         try:
-            refused = await asyncio.to_thread(self.session.prompt_shortfall, tokens, params.max_tokens)
+            await asyncio.to_thread(self.ranks_answer)
+            refused = await asyncio.to_thread(self.session.make_room, tokens, params.max_tokens)
             if refused is not None:
                 raise ApiError(400, str(refused), code="insufficient_memory")
             generation = Generation(self.session, tokens, params)
@@ -120,6 +125,20 @@ class Service:
             self.queue.release(cancelled=False)
             raise
         return generation
+
+    def ranks_answer(self) -> None:
+        """Before a request: ranks that stopped answering (one died mid-answer, or since) are started or
+        reached again, the model loaded; BackendError, as 503, while they cannot be."""
+        silent = self.session.cluster.unanswering()
+        if silent and self.reconnect is not None:
+            names = ", ".join(f"rank {r.rank} ({r.address})" for r, _ in silent)
+            say(f"{names} stopped answering; starting the ranks again")
+            try:
+                self.reconnect()
+            except (BackendError, BadInput) as e:
+                raise BackendError(f"{names} stopped answering, and the ranks could not be started again: "
+                                   f"{e}") from None
+            say("the ranks answer again; the model is loaded")
 
     async def answer(self, request: Request, tokens: list[int], params: GenerationParams, chat: bool
                      ) -> Response:
@@ -188,11 +207,13 @@ class Service:
     # ---- what the ranks hold
 
     async def health(self) -> dict:
-        cluster, state = self.session.cluster, self.queue.state
+        cluster, state, held = self.session.cluster, self.queue.state, self.session.conversations
         stats = await asyncio.to_thread(cluster.stats_once)
         return {"status": "ok", "model": self.model_id, "running": state.running, "waiting": state.waiting,
-                "served": state.served, "cancelled": state.cancelled, "held_tokens": len(self.session.held),
+                "served": state.served, "cancelled": state.cancelled, "held_tokens": held.tokens,
+                "held_conversations": len(held.by_name),
                 "ranks": [{"rank": s.rank, "address": s.address, "state": s.state, "kv_tokens": s.kv_tokens,
+                           "kv_bytes": s.kv_bytes, "state_bytes": s.state_bytes, "conversations": s.sequences,
                            "rss_bytes": s.rss_bytes} for s in stats]}
 
     async def metrics_text(self) -> bytes:
@@ -202,7 +223,8 @@ class Service:
         except BackendError:
             stats = []
         state = self.queue.state
-        return self.metrics.text(state.waiting, int(state.running), stats)
+        held = len(self.session.conversations.by_name)
+        return self.metrics.text(state.waiting, int(state.running), held, stats)
 
 
 class EventStream(StreamingResponse):
@@ -296,6 +318,10 @@ def make_app(service: Service, api_key: str | None) -> Starlette:
         service.metrics.refused.labels(str(error.status)).inc()
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
+    async def backend_error(request: Request, error: Exception) -> Response:
+        """The ranks failed (one died, or stopped answering) before or while a request ran: 503."""
+        return await api_error(request, api_error_of(error))
+
     async def internal_error(request: Request, error: Exception) -> Response:
         say(f"internal error on {request.url.path}: {type(error).__name__}: {error}")
         body = ApiError(500, f"internal error: {type(error).__name__}", kind="server_error").body()
@@ -312,7 +338,8 @@ def make_app(service: Service, api_key: str | None) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ], exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})
+    ], exception_handlers={ApiError: api_error, BackendError: backend_error, HTTPException: http_error,
+                           Exception: internal_error})
 
 
 class Shutdown(Exception):
@@ -355,9 +382,11 @@ def run_serve(args: argparse.Namespace, options: ClusterOptions) -> int:
         cluster = front.cluster
         assert cluster is not None
         session = front.session_for([], raw=True)
+        session.conversations = HeldConversations(HELD_CONVERSATIONS, args.kv_cache_bytes)
         model_id = settings.model or "demo"
         defaults = GenerationParams(settings.max_tokens, settings.temp, settings.top_p, settings.seed)
-        service = Service(session, model_id, defaults, args.max_queue, args.max_request_bytes)
+        service = Service(session, model_id, defaults, args.max_queue, args.max_request_bytes,
+                          reconnect=lambda: front.reconnect(DownloadLines()))
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         stages = f" as {cluster.stages} pipeline stages" if cluster.stages > 1 else ""
