@@ -126,7 +126,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-bytes", type=byte_size, default=None, metavar="SIZE",
                    help="K/V and states of conversations the ranks keep between requests, on any one rank "
                         "(e.g. 4G); the least recently used go first, to the prefix cache on disk (default: "
-                        "as many as memory allows: one goes when a request needs its room)")
+                        "as many as memory allows, 64 at most: one goes when a request needs its room)")
     add_cluster_flags(p)
     p.add_argument("--max-tokens", type=int, default=None, help="answer tokens when a request does not say")
     p.add_argument("--temp", type=float, default=None, help="temperature when a request does not say (0)")

@@ -67,7 +67,6 @@ class RankDone:
     proposed: int = 0  # speculative decoding: tokens proposed and accepted, and the decode steps
     accepted: int = 0
     decode_steps: int = 0
-    held_bytes: int = 0  # K/V and states of every conversation the rank holds
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,7 @@ def generation_event(e: pb.GenerateEvent) -> GenerationEvent:
 
 def rank_done(d: pb.GenerateDone) -> RankDone:
     return RankDone(d.kv_tokens, d.kv_bytes, d.rss_bytes, d.cached_tokens, d.cancelled, d.keep_floor,
-                    d.state_bytes, tuple(d.state_positions), d.proposed, d.accepted, d.decode_steps,
-                    d.held_bytes)
+                    d.state_bytes, tuple(d.state_positions), d.proposed, d.accepted, d.decode_steps)
 
 
 def rank_stats(r: RankHandle, s: pb.RankStats) -> RankStats:

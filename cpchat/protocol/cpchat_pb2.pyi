@@ -276,7 +276,7 @@ class TokenEvent(_message.Message):
     def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateDone(_message.Message):
-    __slots__ = ("kv_tokens", "kv_bytes", "rss_bytes", "cached_tokens", "cancelled", "keep_floor", "state_bytes", "state_positions", "proposed", "accepted", "decode_steps", "held_bytes")
+    __slots__ = ("kv_tokens", "kv_bytes", "rss_bytes", "cached_tokens", "cancelled", "keep_floor", "state_bytes", "state_positions", "proposed", "accepted", "decode_steps")
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -288,7 +288,6 @@ class GenerateDone(_message.Message):
     PROPOSED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
-    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     kv_tokens: int
     kv_bytes: int
     rss_bytes: int
@@ -300,8 +299,7 @@ class GenerateDone(_message.Message):
     proposed: int
     accepted: int
     decode_steps: int
-    held_bytes: int
-    def __init__(self, kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cancelled: _Optional[bool] = ..., keep_floor: _Optional[int] = ..., state_bytes: _Optional[int] = ..., state_positions: _Optional[_Iterable[int]] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., decode_steps: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cancelled: _Optional[bool] = ..., keep_floor: _Optional[int] = ..., state_bytes: _Optional[int] = ..., state_positions: _Optional[_Iterable[int]] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., decode_steps: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)

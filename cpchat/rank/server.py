@@ -171,7 +171,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             keep_floor=engine.keep_floor, state_bytes=engine.states.nbytes,
             state_positions=engine.state_positions,
             proposed=engine.speculated[0], accepted=engine.speculated[1],
-            decode_steps=engine.speculated[2], held_bytes=sum(engine.parked.totals(engine)[1:]),
+            decode_steps=engine.speculated[2],
         )
 
     def Cancel(self, request, context):

@@ -312,8 +312,8 @@ class RankState:
             peak_rss_bytes=peak_rss_bytes(),
             data_plane_bytes_sent=self.data_plane.bytes_sent if self.data_plane else 0,
             state_bytes=state_bytes,
-            sequences=len(self.engine.parked) + bool(self.engine.total_tokens),
-            algorithm=self.engine.last_algorithm,
+            sequences=len(engine.parked) + bool(engine.total_tokens),
+            algorithm=engine.last_algorithm,
             ring_steps=[
                 pb.RingStep(layer=t.layer, step=t.step, compute_ms=t.compute_ms, wait_ms=t.wait_ms,
                             bytes_sent=t.bytes_sent)
