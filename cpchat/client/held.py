@@ -55,8 +55,8 @@ class HeldConversations:
 
     def continued(self, full: list[int]) -> tuple[Held | None, int]:
         """The held conversation `full` continues (None: a new one), and the tokens it keeps."""
-        held = max(self.by_name.values() or [self.current], key=lambda h: (h.kept(full), h is self.current))
-        keep = held.kept(full)
+        kept = [(h.kept(full), h is self.current, h) for h in self.by_name.values() or [self.current]]
+        keep, _, held = max(kept, key=lambda k: k[:2])
         if keep and (self.limit == 1 or 2 * keep >= len(held.tokens)):
             return held, keep
         return None, 0

@@ -173,15 +173,15 @@ class Session:
     def saved_tokens(self, tokens: list[int], limit: int, keep: int) -> int:
         """How many of `tokens` (at most `limit`) the ranks would load from their disks, the ring
         holding `keep` of them (0: none worth loading)."""
-        if not self._may_load(tokens, keep):
+        if not self._may_load(tokens, keep, self.conversations.continued(tokens)[0]):
             return 0
         choice = choose_prefix(self.cluster.find_prefixes(tokens), limit, keep, self.cluster.ring_size)
         return choice.tokens if choice else 0
 
-    def _may_load(self, tokens: list[int], keep: int) -> bool:
-        """Whether a saved prefix could beat what the ring holds: not when the ring holds this very
-        conversation (a later turn's), nor when too little is left to prefill."""
-        held = self.conversations.continued(tokens)[0]
+    def _may_load(self, tokens: list[int], keep: int, held: Held | None) -> bool:
+        """Whether a saved prefix could beat what the ring holds (`held`: the conversation `tokens`
+        continues, None for a new one): not when the ring holds this very conversation (a later turn's),
+        nor when too little is left to prefill."""
         continued = held is not None and keep >= len(held.tokens) - MIN_GAIN
         return self.prefix_cache and not continued and len(tokens) - 1 - keep >= MIN_GAIN
 
@@ -225,7 +225,7 @@ class Session:
         prefix loaded. A prefix gone meanwhile leaves the new conversation empty."""
         held, keep = self.conversations.continued(full)
         choice = None
-        if self._may_load(full, keep):
+        if self._may_load(full, keep, held):
             choice = choose_prefix(self.cluster.find_prefixes(full), len(full) - 1, keep,
                                    self.cluster.ring_size)
         self._let_go(self.conversations.run(held if choice is None else None))
