@@ -13,7 +13,7 @@ from cpchat.client.connect import ClusterOptions, is_loopback, read_bytes, read_
 from cpchat.core.algorithms import ALGORITHMS
 from cpchat.core.quantized_kv import BITS, GROUP_SIZES
 from cpchat.errors import BadInput
-from cpchat.flags import add_threads_flag, byte_size, positive_int
+from cpchat.flags import add_threads_flag, byte_size, positive_int, whole_number
 
 if TYPE_CHECKING:
     from cpchat.client.settings import Settings
@@ -111,8 +111,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cpchat serve",
         description="The ranks behind an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, "
-                    "/v1/models, /health and /metrics. One request runs at a time; the others wait in "
-                    "order; the ranks keep several conversations, the least recently used let go first.")
+                    "/v1/models, /health and /metrics. Prompts are read one at a time, in order; the "
+                    "answers under way decode together; the ranks keep several conversations, the least "
+                    "recently used let go first.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     p.add_argument("--api-key", default=None,
@@ -121,6 +122,13 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--insecure", action="store_true", help="listen beyond loopback without an API key")
     p.add_argument("--max-queue", type=positive_int, default=16, metavar="N",
                    help="requests that may wait for the ranks; past them, 429 (default 16)")
+    p.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
+                   help="answers decoding together, a step for all at once (default 8; fewer where the "
+                        "memory check leaves no room for another). 1: each answer whole, in turn, with "
+                        "speculative decoding; models with linear layers and pipeline stages run 1")
+    p.add_argument("--prefill-chunk", type=whole_number, default=8192, metavar="T",
+                   help="read long prompts T tokens at a time (a multiple of 2,048), the answers under way "
+                        "stepping on between chunks (default 8192; 0: each prompt whole)")
     p.add_argument("--max-request-bytes", type=positive_int, default=64 << 20, metavar="B",
                    help="largest request body; past it, 413 (default 64 MiB)")
     p.add_argument("--kv-cache-bytes", type=byte_size, default=None, metavar="SIZE",

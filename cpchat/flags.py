@@ -26,3 +26,10 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text}")
     return value
+
+
+def whole_number(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text}")
+    return value

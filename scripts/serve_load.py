@@ -4,7 +4,7 @@ after another. Every request has a document of its own, of the same length (neit
 reuse another's K/V; cpchat runs without its prefix cache).
 
     python scripts/serve_load.py [--server cpchat|mlx_lm] [--model M] [--ranks 2]
-                                 [--clients 1,4,8] [--context 4096] [--answer 128]
+                                 [--clients 1,4,8] [--context 4096] [--answer 128] [--serve-args ARGS]
 
 Prints, per client count: the tokens generated over the wall time from the first request sent to
 the last answer's end (aggregate tokens/s), the time to first token at the client (p50, p95), and
@@ -85,7 +85,8 @@ def start(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     if args.server == "cpchat":
         command = [sys.executable, "-m", "cpchat", "serve", "--port", str(port), "--ranks", str(args.ranks),
-                   "--no-cache", "--max-queue", "64"] + (["--model", args.model] if args.model else [])
+                   "--no-cache", "--max-queue", "64", *args.serve_args.split()] + \
+            (["--model", args.model] if args.model else [])
     else:
         command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(resolve_model(args.model)[0]),
                    "--port", str(port), "--max-tokens", str(args.answer)]
@@ -120,6 +121,7 @@ def main() -> int:
     p.add_argument("--clients", default="1,4,8")
     p.add_argument("--context", type=int, default=4096, help="each client's document, in tokens")
     p.add_argument("--answer", type=int, default=128, help="tokens each answer is asked for")
+    p.add_argument("--serve-args", default="", help="more options for cpchat serve, e.g. '--max-batch 1'")
     args = p.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
     tokenizer = load_tokenizer(front_end_copy(resolve_model(args.model)[0], whole_model=False))

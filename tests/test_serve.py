@@ -24,14 +24,16 @@ from conftest import DEMO_MODEL
 from helpers import random_prompt
 from prometheus_client.parser import text_string_to_metric_families
 from rankprocs import ranks_started_with, wait_gone
-from references import reference_generate, reference_tokenizer
+from references import MlxReference, reference_generate, reference_tokenizer
 
 from cpchat.client.events import Token
+from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
 from cpchat.prompt import user_message
 from cpchat.serve.generation import StopText
 from cpchat.serve.openai_api import ApiError, GenerationParams, parse_chat
 
 KEY = "test-key-0123"
+BATCH = 2  # answers decoding together
 QUEUE = 4
 MAX_BODY = 2_000_000
 SAMPLE_DOC = Path(__file__).resolve().parents[1] / "assets" / "sample-doc.txt"
@@ -89,7 +91,7 @@ def model(model_dir) -> Path:
 @pytest.fixture(scope="module")
 def server(model):
     s = start_server(["--model", str(model), "--ranks", "2", "--api-key", KEY, "--max-queue", str(QUEUE),
-                      "--max-request-bytes", str(MAX_BODY), "--no-cache"])
+                      "--max-batch", str(BATCH), "--max-request-bytes", str(MAX_BODY), "--no-cache"])
     ranks = ranks_started_with("--parent-pid", lambda value: value == str(s.process.pid))
     assert len(ranks) == 2
     yield s
@@ -192,12 +194,7 @@ def test_metrics_count_what_was_asked_and_what_the_ranks_hold(server, model):
     """/metrics, read by Prometheus's own parser: a request answered adds its tokens, its time to first
     token and one answered chat; a refused one its status; each rank's K/V tokens are what it holds."""
     def scrape() -> dict[tuple, float]:
-        request = urllib.request.Request(server.url + "/metrics", headers=AUTH)
-        with urllib.request.urlopen(request, timeout=60) as response:
-            assert response.headers["Content-Type"].startswith("text/plain")
-            text = response.read().decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+        return metrics(server)
 
     before = scrape()
     answer = server.client().chat.completions.create(model=str(model), max_tokens=5, temperature=0,
@@ -226,6 +223,16 @@ def test_metrics_count_what_was_asked_and_what_the_ranks_hold(server, model):
     unauthorised = urllib.request.Request(server.url + "/metrics")
     with pytest.raises(urllib.error.HTTPError, match="401"):
         urllib.request.urlopen(unauthorised, timeout=30)
+
+
+def metrics(server: Server) -> dict[tuple, float]:
+    """The server's /metrics, each sample by (name, labels)."""
+    request = urllib.request.Request(server.url + "/metrics", headers=AUTH)
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def streamed_text(tokenizer, ids: list[int]) -> str:
@@ -275,23 +282,121 @@ def test_conversations_return_from_memory_within_the_budget_and_from_disk_past_i
         assert s.process.wait(timeout=60) == 0, "".join(s.lines)
 
 
+@pytest.mark.parametrize("demo, ranks, kv", [(False, 2, FULL_PRECISION), (True, 1, KVFormat(4, 32, 40))])
+def test_concurrent_answers_decode_together_each_as_mlx_lm_alone(model, demo, ranks, kv):
+    """Six clients at once (prompts of different lengths, answers that end at different steps) while a
+    seventh streams a long answer and goes away mid-stream: each answer is mlx-lm's for its prompt
+    alone, token for token and logprob for logprob (with 4-bit K/V, mlx-lm's own kv_bits run's), the
+    one that went away as far as it got; and the ranks stepped them together."""
+    model = DEMO_MODEL if demo else model
+    args = ["--model", str(model), "--ranks", str(ranks), "--api-key", KEY, "--no-cache", "--max-batch", "8"]
+    if kv.quantized:
+        args += ["--kv-bits", str(kv.bits), "--kv-group-size", str(kv.group_size),
+                 "--quantized-kv-start", str(kv.start)]
+    s = start_server(args)
+    reference = MlxReference(model, kv)
+    try:
+        client, tokenizer = s.client(timeout=300), reference_tokenizer(model)
+        lengths, answers = (1, 5, 17, 40, 64, 90), (9, 4, 12, 6, 10, 8)
+        prompts = [random_prompt(model, n, seed=80 + n) for n in lengths]
+        long_ids = random_prompt(model, 30, seed=99)
+        stream = client.completions.create(model=str(model), prompt=long_ids, max_tokens=100_000,
+                                           temperature=0, logprobs=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        long = [next(chunks)]  # under way
+        got: dict[int, object] = {}
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, client.completions.create(
+            model=str(model), prompt=prompts[i], max_tokens=answers[i], temperature=0, logprobs=0)))
+            for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        long += [next(chunks) for _ in range(2)]
+        stream.close()  # the client goes away
+        for i, ids in enumerate(prompts):
+            want = reference(ids, answers[i])[0]
+            choice = got[i].choices[0]
+            assert choice.text == streamed_text(tokenizer, [t for t, _ in want]), i
+            logprobs = choice.logprobs.token_logprobs
+            assert max(abs(a - b) for a, (_, b) in zip(logprobs, want, strict=True)) < 1e-3
+        long_logprobs = [lp for chunk in long for lp in chunk.choices[0].logprobs.token_logprobs]
+        want = reference(long_ids, len(long_logprobs))[0]
+        n = min(len(want), len(long_logprobs))
+        assert n >= 3 and "".join(c.choices[0].text for c in long) .startswith(
+            streamed_text(tokenizer, [t for t, _ in want[:n - 1]]))
+        assert max(abs(a - b) for a, (_, b) in zip(long_logprobs[:n], want[:n], strict=True)) < 1e-3
+        s.until(lambda h: not h["running"] and h["cancelled"] == 1, "the one that went away let go")
+        steps = metrics(s)
+        together = steps[("cpchat_decode_step_answers_count", ())] - \
+            steps[("cpchat_decode_step_answers_bucket", (("le", "2.0"),))]
+        assert together >= 3, "steps of more than two answers"
+    finally:
+        reference.close()
+        s.process.send_signal(signal.SIGTERM)
+        assert s.process.wait(timeout=60) == 0, "".join(s.lines)
+
+
+def test_a_short_request_is_answered_between_a_long_prompts_chunks(model):
+    """With --prefill-chunk 2048, a short request sent while a 12,000-token prompt is read gets its whole
+    answer before the long one's first token; the long answer is mlx-lm's over the whole prompt, its
+    progress rises over all of it, and its usage counts it once."""
+    s = start_server(["--model", str(model), "--ranks", "2", "--api-key", KEY, "--no-cache",
+                      "--prefill-chunk", "2048"])
+    try:
+        client = s.client(timeout=300)
+        long_ids, short_ids = random_prompt(model, 12_000, seed=5), random_prompt(model, 8, seed=6)
+        stream = client.completions.create(model=str(model), prompt=long_ids, max_tokens=6, temperature=0,
+                                           logprobs=0, stream=True, stream_options={"include_usage": True},
+                                           extra_body={"return_progress": True})
+        times: dict[str, float] = {}
+        short = threading.Thread(target=lambda: times.setdefault("short", (client.completions.create(
+            model=str(model), prompt=short_ids, max_tokens=3, temperature=0), time.perf_counter())[1]))
+        chunks, progress = [], []
+        for chunk in stream:
+            if found := (chunk.model_extra or {}).get("prompt_progress"):
+                progress.append(found["processed"])
+                if not short.is_alive() and "short" not in times:
+                    short.start()  # the long prompt is being read
+            elif chunk.choices and chunk.choices[0].text:
+                times.setdefault("long", time.perf_counter())
+            chunks.append(chunk)
+        short.join(timeout=300)
+        assert times["short"] < times["long"], "the short answer came between the long prompt's chunks"
+        assert progress == sorted(progress) and progress[-1] == len(long_ids) and len(progress) >= 5, progress
+        want = reference_generate(model, long_ids, 6)
+        logprobs = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                    for lp in c.choices[0].logprobs.token_logprobs]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == \
+            streamed_text(reference_tokenizer(model), [t for t, _ in want])
+        assert max(abs(a - b) for a, (_, b) in zip(logprobs, want, strict=True)) < 1e-3
+        usage = chunks[-1].usage
+        assert usage.prompt_tokens == len(long_ids) and usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        s.process.send_signal(signal.SIGTERM)
+        assert s.process.wait(timeout=60) == 0, "".join(s.lines)
+
+
 def test_a_rank_that_dies_fails_its_answer_and_the_server_starts_the_ranks_again(model):
-    """A rank killed mid-answer: the stream ends with an error naming the rank; the next request finds
+    """A rank killed mid-batch: both streams end with an error naming the rank; the next request finds
     the ranks silent, has fresh ones started and the model loaded, and is answered; no rank of the old
     ring is left running."""
     s = start_server(["--model", str(model), "--ranks", "2", "--api-key", KEY, "--no-cache"])
     try:
         old = ranks_started_with("--parent-pid", lambda value: value == str(s.process.pid))
         client = s.client(timeout=300)
-        chunks = iter(client.chat.completions.create(
-            model=str(model), messages=[{"role": "user", "content": PROMPT}], max_tokens=100_000, stream=True,
-            extra_body={"ignore_eos": True}))
-        for _ in range(3):  # the answer's tokens are coming
-            next(chunks)
+        batch = [iter(client.chat.completions.create(
+            model=str(model), messages=[{"role": "user", "content": text}], max_tokens=100_000, stream=True,
+            extra_body={"ignore_eos": True})) for text in (PROMPT, "Hi")]
+        for chunks in batch:
+            for _ in range(3):  # both answers' tokens are coming
+                next(chunks)
         old[1].kill()
-        with pytest.raises(openai.APIError, match=r"rank \d \(127\.0\.0\.1:\d+\)"):
-            for _ in chunks:
-                pass
+        for chunks in batch:  # each fails, naming the rank
+            with pytest.raises(openai.APIError, match=r"rank \d \(127\.0\.0\.1:\d+\)"):
+                for _ in chunks:
+                    pass
         messages = [{"role": "user", "content": PROMPT}]
         answer = client.chat.completions.create(model=str(model), messages=messages, max_tokens=4)
         assert answer.usage.completion_tokens >= 1
@@ -319,10 +424,9 @@ def test_a_client_that_goes_away_frees_the_ranks(server, model):
             break
     stream.close()
     health = server.until(lambda h: not h["running"] and h["cancelled"] == before + 1, "the ranks freed")
-    # the ranks stopped and rolled back to what they held before the answer, however far it had got:
-    # none of its tokens are held, nor is the conversation before it lost; the ranks hold what the
-    # session counts
-    assert health["held_tokens"] == held - 1, "held: what came before the stopped answer"
+    # the answer left the batch where it had got: its conversation holds the prompt and the answer's
+    # tokens the ranks read (three at least), and the ranks hold exactly what the session counts
+    assert health["held_tokens"] >= held + 2, "held: the prompt and what the stopped answer read"
     assert sum(r["kv_tokens"] for r in health["ranks"]) == health["held_tokens"]
     answer = client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": "Hi"}],
                                             max_tokens=3)
@@ -380,9 +484,11 @@ def test_what_is_refused_and_the_server_goes_on(server, model):
 
 def test_past_the_queue_bound_429_with_retry_after(server, model):
     client = server.client(timeout=120)
-    busy = client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": PROMPT}],
-                                          max_tokens=100_000, stream=True, extra_body={"ignore_eos": True})
-    next(iter(busy))
+    busy = [client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=100_000, stream=True, extra_body={"ignore_eos": True})
+            for _ in range(BATCH)]  # a full batch
+    for stream in busy:
+        next(iter(stream))
     answers: list = []
     waiting = [threading.Thread(target=lambda: answers.append(client.chat.completions.create(
         model=str(model), messages=[{"role": "user", "content": "Hi"}], max_tokens=2))) for _ in range(QUEUE)]
@@ -392,7 +498,8 @@ def test_past_the_queue_bound_429_with_retry_after(server, model):
     with pytest.raises(openai.RateLimitError) as e:
         client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": "Hi"}])
     assert e.value.response.headers["retry-after"].isdigit()
-    busy.close()
+    for stream in busy:
+        stream.close()
     for thread in waiting:
         thread.join(timeout=120)
     assert len(answers) == QUEUE, "every waiting request answered once the ranks were free"

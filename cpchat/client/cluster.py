@@ -7,7 +7,7 @@ import contextlib
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 from dataclasses import fields
 from pathlib import Path
 
@@ -15,9 +15,9 @@ import grpc
 
 from cpchat.blas import BlasUnavailable
 from cpchat.client.events import RankStats
-from cpchat.client.generation import GenerationEvent, GenerationRequest
+from cpchat.client.generation import GenerationEvent, GenerationRequest, StepRow, TokenOut
 from cpchat.client.launcher import LaunchError, LocalRank, launch_local_ranks, rank_devices, visible_gpus
-from cpchat.client.messages import generate_request, rank_stats
+from cpchat.client.messages import generate_request, rank_stats, step_request, token_out
 from cpchat.client.prefixes import PrefixChoice, PrefixGone, PrefixLoaded, SavedPrefix
 from cpchat.client.ranks import DraftHeld, RankHandle, ServedModel, describe_failure
 from cpchat.client.streams import (
@@ -452,6 +452,23 @@ class Cluster:
         finally:
             self._current_request = ""
             self._lock.release()
+
+    def step(self, rows: list[StepRow]) -> list[TokenOut]:
+        """One decode step over several answers at once (each row's conversation reads its unread token):
+        the token each samples. A failing rank raises BackendError naming it."""
+        request = step_request(rows)
+        calls = {self._pool.submit(r.control.Step, request, metadata=self.metadata): r for r in self.ranks}
+        for call in as_completed(calls):
+            try:
+                call.result()
+            except grpc.RpcError as e:  # the others wait for its partials: stop them
+                self._current_request = request.step_id
+                self.cancel()
+                self._current_request = ""
+                r = calls[call]
+                r.state = "failed"
+                raise BackendError(self._describe(r, e, "a decode step")) from None
+        return [token_out(t) for t in next(iter(calls)).result().tokens]
 
     def stats_once(self) -> list[RankStats]:
         """Every rank's stats now, in rank order."""

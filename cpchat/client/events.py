@@ -176,3 +176,6 @@ class AlgorithmChoice:
     link_bytes_per_s: float = 0.0
     hop_latency_ms: float = 0.0
     exchange_latency_ms: float = 0.0
+
+
+Event = CacheLoaded | Prefill | Progress | Token | Done  # what a session's generation yields

@@ -30,6 +30,17 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class StepRow:
+    """One answer's row in a batched decode step: its conversation reads `token` and samples token `index`
+    of the answer, as its GenerationRequest samples."""
+
+    sequence: str
+    token: int
+    index: int
+    request: GenerationRequest
+
+
+@dataclass(frozen=True)
 class LayerDone:
     """The prefill passed one more layer."""
 

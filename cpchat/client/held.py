@@ -50,13 +50,17 @@ class HeldConversations:
         self.limit, self.budget = limit, budget
         self.by_name: dict[str, Held] = {}
         self.current = Held("")  # held once a request runs it
+        self.busy: set[str] = set()  # answers decoding in a batch run these: none continues or lets them go
         self._clock = itertools.count(1)
         self._names = (f"c{i}" for i in itertools.count(1))
 
     def continued(self, full: list[int]) -> tuple[Held | None, int]:
         """The held conversation `full` continues (None: a new one), and the tokens it keeps."""
-        kept = [(h.kept(full), h is self.current, h) for h in self.by_name.values() or [self.current]]
-        keep, _, held = max(kept, key=lambda k: k[:2])
+        free = [h for h in self.by_name.values() if h.name not in self.busy]
+        free = free if self.by_name else [self.current]
+        if not free:
+            return None, 0
+        keep, _, held = max(((h.kept(full), h is self.current, h) for h in free), key=lambda k: k[:2])
         if keep and (self.limit == 1 or 2 * keep >= len(held.tokens)):
             return held, keep
         return None, 0
@@ -82,12 +86,14 @@ class HeldConversations:
         gone: list[str] = []
         while self.budget is not None and self.by_name and max(self._rank_totals()) > self.budget:
             keep = self.current if len(self.by_name) > 1 else None
-            gone += self._let_go_least_recent(1, keep)
+            if not (some := self._let_go_least_recent(1, keep)):
+                break  # all busy
+            gone += some
         return gone
 
     def least_recent(self, besides: Held | None) -> Held | None:
         """The least recently used conversation but `besides` (the memory check lets it go)."""
-        others = [h for h in self.by_name.values() if h is not besides]
+        others = [h for h in self.by_name.values() if h is not besides and h.name not in self.busy]
         return min(others, key=lambda h: h.used, default=None)
 
     def let_go(self, name: str) -> None:
@@ -95,7 +101,7 @@ class HeldConversations:
             self.current = Held(name)  # holds nothing now
 
     def clear(self) -> None:
-        self.by_name, self.current = {}, Held("")
+        self.by_name, self.current, self.busy = {}, Held(""), set()
 
     @property
     def tokens(self) -> int:
@@ -106,7 +112,8 @@ class HeldConversations:
         return [sum(b) for b in itertools.zip_longest(*held, fillvalue=0)] or [0]
 
     def _let_go_least_recent(self, count: int, keep: Held | None) -> list[str]:
-        order = sorted((h for h in self.by_name.values() if h is not keep), key=lambda h: h.used)
+        order = sorted((h for h in self.by_name.values() if h is not keep and h.name not in self.busy),
+                       key=lambda h: h.used)
         names = [h.name for h in order[:max(count, 0)]]
         for name in names:
             self.let_go(name)

@@ -11,6 +11,7 @@ from cpchat.client.generation import (
     LayerDone,
     PrefillDone,
     RankDone,
+    StepRow,
     TokenOut,
 )
 from cpchat.client.ranks import RankHandle
@@ -18,17 +19,30 @@ from cpchat.core.algorithms import BY_NAME
 from cpchat.protocol import cpchat_pb2 as pb
 
 
+def _sampling(g: GenerationRequest) -> pb.Sampling:
+    return pb.Sampling(temperature=g.temperature, top_p=g.top_p, seed=g.seed, top_logprobs=g.top_logprobs)
+
+
 def generate_request(g: GenerationRequest) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=g.request_id or uuid.uuid4().hex, keep_tokens=g.keep_tokens, tokens=g.tokens,
         algorithm=pb.Algorithm.Value(BY_NAME[g.algorithm].wire), max_tokens=g.max_tokens,
-        sampling=pb.Sampling(temperature=g.temperature, top_p=g.top_p, seed=g.seed,
-                             top_logprobs=g.top_logprobs),
+        sampling=_sampling(g),
         stop_tokens=g.stop_tokens, decode=pb.Decode.Value(BY_NAME[g.decode].wire), save_prefix=g.save_prefix,
         keep_state_at=g.keep_state_at, shares=g.shares,
         speculation=pb.Speculation.Value(f"SPECULATION_{g.speculation.upper()}"), draft_tokens=g.draft_tokens,
         draft_model=g.draft_model, sequence=g.sequence,
     )
+
+
+def step_request(rows: list[StepRow]) -> pb.StepRequest:
+    return pb.StepRequest(step_id=uuid.uuid4().hex, rows=[
+        pb.StepRow(sequence=r.sequence, token=r.token, index=r.index, sampling=_sampling(r.request),
+                   shares=r.request.shares) for r in rows])
+
+
+def token_out(t: pb.TokenEvent) -> TokenOut:
+    return TokenOut(t.id, t.logprob, tuple(zip(t.top_ids, t.top_logprobs, strict=True)))
 
 
 def generation_event(e: pb.GenerateEvent) -> GenerationEvent:
@@ -37,8 +51,7 @@ def generation_event(e: pb.GenerateEvent) -> GenerationEvent:
         return LayerDone(e.progress.layer, e.progress.num_layers)
     if which == "prefill":
         return PrefillDone(e.prefill.ms, e.prefill.linear_layers, e.prefill.state_combine_ms)
-    top = tuple(zip(e.token.top_ids, e.token.top_logprobs, strict=True))
-    return TokenOut(e.token.id, e.token.logprob, top)
+    return token_out(e.token)
 
 
 def rank_done(d: pb.GenerateDone) -> RankDone:

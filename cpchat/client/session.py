@@ -7,16 +7,18 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cpchat.client.batch import Answer
 from cpchat.client.cluster import Cluster
 from cpchat.client.documents import Document, read_document, render_user_turn
 from cpchat.client.events import (
     AlgorithmChoice,
     CacheLoaded,
     Done,
+    Event,
     Prefill,
     Progress,
     RankUsage,
@@ -30,8 +32,6 @@ from cpchat.client.planner import Planner
 from cpchat.client.prefixes import MIN_GAIN, PrefixChoice, PrefixGone, choose_prefix
 from cpchat.core.sharding import rank_tokens
 from cpchat.errors import BadInput
-
-Event = CacheLoaded | Prefill | Progress | Token | Done
 
 PROGRESS_INTERVAL_S = 0.25  # prefill progress at most 4 times a second (and once at its end)
 SAVE_MIN_TOKENS = 1024  # the ranks save a conversation on disk once it holds this many tokens not saved yet
@@ -314,11 +314,14 @@ class Session:
         self.messages.append(Message("assistant", "".join(shown)))
 
     def generate(self, full: list[int], max_tokens: int | None = None,
-                  documents_end: int = 0) -> Iterator[Event]:
+                 documents_end: int = 0, batched: bool = False, save: bool = True
+                 ) -> Generator[Event, None, Answer | None]:
         """Prefill what the ranks neither hold nor load from disk, and generate: the prompt's token ids
         as they are (`run` keeps the conversation's messages). With the prefix cache,
         a model with linear layers also keeps its state where the documents end (`documents_end`), so that
-        another question about them can go on from there."""
+        another question about them can go on from there. `batched`: the ranks stop after the first
+        token, and an answer that goes on is returned, to decode in a batch (cpchat.client.batch).
+        `save`: the prefix cache may save the conversation after it (not after a prompt's first chunks)."""
         vocab = self.cluster.model.vocab_size
         bad = [t for t in full if not 0 <= t < vocab]
         if bad:
@@ -335,6 +338,7 @@ class Session:
         new = full[keep:]
         choice = self.planner.choose_algorithm(len(new), keep)
         answer_tokens = self.sampling.max_tokens if max_tokens is None else max_tokens
+        batched = batched and answer_tokens > 1
         shares = self.planner.prefill_shares(len(new), keep, choice.algorithm, answer_tokens,
                                              self._draft_model())
         self.last_choice = choice
@@ -343,11 +347,11 @@ class Session:
         mode = self.speculate.partition(":")[0]
         request = GenerationRequest(
             tokens=new, keep_tokens=keep,
-            max_tokens=answer_tokens,
+            max_tokens=1 if batched else answer_tokens,
             algorithm=choice.algorithm, decode=self.planner.decode_exchange(len(full), answer_tokens),
             temperature=self.sampling.temperature, top_p=self.sampling.top_p, seed=seed,
             stop_tokens=[] if self.sampling.ignore_eos else sorted(self.tokenizer.eos_token_ids),
-            save_prefix=self.prefix_cache and len(full) - held.saved >= self.save_min_tokens,
+            save_prefix=save and self.prefix_cache and len(full) - held.saved >= self.save_min_tokens,
             keep_state_at=max(documents_end - keep, 0) if self.prefix_cache and linear else 0,
             shares=shares or (),
             top_logprobs=self.sampling.top_logprobs,
@@ -394,6 +398,9 @@ class Session:
         held.keep_floor, held.state_positions = done.keep_floor, list(done.state_positions)
         dones = [res.done for _, res in sorted(self.cluster.last_results.items())]
         held.rank_bytes = tuple(d.kv_bytes + d.state_bytes if d else 0 for d in dones)
+        if batched and generated and not done.cancelled:
+            self.turn_index += 1
+            return Answer(held, full, request, answer_tokens, turn, detok, generated, t_start, t_first)
         self._let_go(self.conversations.over_budget())
         if self.raw:
             self.raw_history = full + generated

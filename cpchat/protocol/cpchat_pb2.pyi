@@ -231,6 +231,34 @@ class GenerateRequest(_message.Message):
     sequence: str
     def __init__(self, request_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., algorithm: _Optional[_Union[Algorithm, str]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., decode: _Optional[_Union[Decode, str]] = ..., save_prefix: _Optional[bool] = ..., keep_state_at: _Optional[int] = ..., shares: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., draft_tokens: _Optional[int] = ..., draft_model: _Optional[str] = ..., sequence: _Optional[str] = ...) -> None: ...
 
+class StepRequest(_message.Message):
+    __slots__ = ("step_id", "rows")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    rows: _containers.RepeatedCompositeFieldContainer[StepRow]
+    def __init__(self, step_id: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[StepRow, _Mapping]]] = ...) -> None: ...
+
+class StepRow(_message.Message):
+    __slots__ = ("sequence", "token", "index", "sampling", "shares")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    sequence: str
+    token: int
+    index: int
+    sampling: Sampling
+    shares: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence: _Optional[str] = ..., token: _Optional[int] = ..., index: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., shares: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenEvent]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ...) -> None: ...
+
 class GenerateEvent(_message.Message):
     __slots__ = ("prefill", "token", "done", "progress")
     PREFILL_FIELD_NUMBER: _ClassVar[int]

@@ -56,6 +56,11 @@ class ControlStub:
                 request_serializer=cpchat_dot_protocol_dot_cpchat__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.GenerateEvent.FromString,
                 _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/cpchat.Control/Step',
+                request_serializer=cpchat_dot_protocol_dot_cpchat__pb2.StepRequest.SerializeToString,
+                response_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.StepReply.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/cpchat.Control/Cancel',
                 request_serializer=cpchat_dot_protocol_dot_cpchat__pb2.CancelRequest.SerializeToString,
@@ -133,6 +138,17 @@ class ControlServicer:
     def Generate(self, request, context):
         """Prefill new tokens and generate. Every rank is called with the same
         request; all ranks report the same tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Step(self, request, context):
+        """One decode step over several conversations at once (a batch): each row reads its conversation's
+        unread token (the last one sampled) and samples the next. Every rank is called with the same
+        request; the weight products run once for the batch, each row attends over its own conversation's
+        keys, and one exchange a layer carries the whole batch's partials. The rank that samples answers
+        the rows' tokens (and shares them with the other ranks, which answer none).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -230,6 +246,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.GenerateRequest.FromString,
                     response_serializer=cpchat_dot_protocol_dot_cpchat__pb2.GenerateEvent.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=cpchat_dot_protocol_dot_cpchat__pb2.StepRequest.FromString,
+                    response_serializer=cpchat_dot_protocol_dot_cpchat__pb2.StepReply.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -387,6 +408,33 @@ class Control:
             '/cpchat.Control/Generate',
             cpchat_dot_protocol_dot_cpchat__pb2.GenerateRequest.SerializeToString,
             cpchat_dot_protocol_dot_cpchat__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpchat.Control/Step',
+            cpchat_dot_protocol_dot_cpchat__pb2.StepRequest.SerializeToString,
+            cpchat_dot_protocol_dot_cpchat__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -81,10 +81,10 @@ class Parked:
     """The conversations parked on this rank, and the name of the one the engine runs."""
 
     def __init__(self) -> None:
-        self.running = ""
+        self.running: str | None = ""  # None: the engine runs none (a batched step parked them all)
         self.by_name: dict[str, Sequence] = {}
 
-    def switch(self, engine: Runs, name: str, new_kv: Callable[[], KVShard]) -> None:
+    def switch(self, engine: Runs, name: str | None, new_kv: Callable[[], KVShard]) -> None:
         """Park the running conversation (unless it holds nothing) and run `name`'s (a new one if none)."""
         if name == self.running:
             return
@@ -93,6 +93,11 @@ class Parked:
         parked = self.by_name.pop(name, None)
         (parked or Sequence.empty(new_kv())).into(engine)
         self.running = name
+
+    def side_by_side(self, engine: Runs, names: list[str], new_kv: Callable[[], KVShard]) -> list[Sequence]:
+        """Conversations `names`, all parked (the running one too), for a step over them together."""
+        self.switch(engine, None, new_kv)
+        return [self.by_name[name] for name in names]
 
     def find(self, engine: Runs, name: str) -> Runs | Sequence | None:
         """Conversation `name`: the engine's if it runs, parked, or None."""

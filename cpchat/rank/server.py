@@ -25,6 +25,7 @@ from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.protocol import cpchat_pb2_grpc as pb_grpc
 from cpchat.protocol.channel import SERVER_KEEPALIVE, TokenCheck
+from cpchat.rank import batch_step
 from cpchat.rank.calibration import MAX_PROBE_BYTES, PROBE_BYTES, Calibration, calibrate
 from cpchat.rank.engine import BadRequest
 from cpchat.rank.fit import UnsupportedModel
@@ -162,6 +163,23 @@ class ControlServicer(pb_grpc.ControlServicer):
             if isinstance(item, BaseException):
                 context.abort(grpc.StatusCode.INTERNAL, f"{type(item).__name__}: {item}")
             yield item
+
+    def Step(self, request, context):
+        try:
+            if len(request.step_id) > MAX_ID:
+                raise BadRequest(f"step_id longer than {MAX_ID} characters")
+            batch_step.check(self.s.engine, request, self.s.ring.size if self.s.ring else 1)
+            abort = self.s.begin(request.step_id)
+        except BadRequest as e:
+            context.abort(status_of(e), str(e))
+        context.add_callback(abort.set)
+        try:
+            tokens = self.s.on_mlx(batch_step.run, self.s.engine, request, self.s.ring, abort)
+        except (RingBroken, Aborted) as e:
+            context.abort(grpc.StatusCode.ABORTED, str(e))
+        finally:
+            self.s.end()
+        return pb.StepReply(tokens=tokens)
 
     def _done(self, cancelled: bool) -> pb.GenerateDone:
         engine = self.s.engine

@@ -300,7 +300,7 @@ class RankState:
 
     def stats(self) -> pb.RankStats:
         engine = self.engine
-        tokens, kv_bytes, state_bytes = engine.parked.totals(engine) if engine.kv else (0, 0, 0)
+        tokens, kv_bytes, state_bytes = engine.parked.totals(engine) if engine.kv is not None else (0, 0, 0)
         return pb.RankStats(
             rank=self.rank,
             state=self.state,

@@ -1,5 +1,5 @@
-"""One request at a time on the ranks, the others waiting in order up to a bound; and one request's
-generation, run in a thread (the session blocks on the ranks) and read from the event loop.
+"""Requests waiting for the ranks in order, up to a bound; and one request's generation, run by the
+scheduler's thread (cpchat.serve.scheduler) and read from the event loop.
 
 The session keeps what the ranks hold between requests: a request whose prompt starts with the
 last conversation's tokens (a long system prompt or document sent every time) prefills only the
@@ -13,48 +13,60 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from cpchat.client.events import Done, Prefill, Progress, Token
+from cpchat.client.events import Done, Event, Prefill, Progress, Token
 from cpchat.client.session import SamplingOptions, Session
 from cpchat.errors import BackendError, BadInput
 from cpchat.serve.openai_api import ApiError, GenerationParams, Outcome
+from cpchat.serve.scheduler import Scheduler
 
 RETRY_AFTER_S = 5  # what a refused client is told to wait
 
 
 @dataclass
 class QueueState:
-    running: bool = False
-    waiting: int = 0
     served: int = 0
     cancelled: int = 0  # stopped by a client that went away
 
 
 class RankQueue:
-    """Admission: the ranks answer one request at a time; up to `bound` more wait, in order; past that,
-    429 with Retry-After. Made on the event loop that uses it."""
+    """Admission: requests wait for the ranks in order, up to `bound` of them; past that, 429 with
+    Retry-After. The scheduler runs them (`max_batch` answers decoding together at most)."""
 
-    def __init__(self, bound: int) -> None:
+    def __init__(self, bound: int, scheduler: Scheduler) -> None:
         self.bound = bound
         self.state = QueueState()
-        self._lock = asyncio.Lock()
+        self.scheduler = scheduler
 
-    async def acquire(self) -> None:
-        if self._lock.locked() and self.state.waiting >= self.bound:
-            raise ApiError(429, f"the ranks are busy and {self.state.waiting} requests are waiting; try "
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def running(self) -> int:
+        return self.scheduler.running
+
+    async def start(self, generation: Generation) -> None:
+        """Hand the generation to the ranks; return once they run it (raising what refused it)."""
+        if self.waiting >= self.bound:
+            raise ApiError(429, f"the ranks are busy and {self.waiting} requests are waiting; try "
                                 "again shortly", kind="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
-        self.state.waiting += 1
+        generation.scheduler = self.scheduler
+        self.scheduler.submit(generation)
         try:
-            await self._lock.acquire()
-        finally:
-            self.state.waiting -= 1
-        self.state.running = True
+            await generation.admitted.wait()
+        except asyncio.CancelledError:
+            self.scheduler.cancel(generation)
+            raise
+        if generation.refusal is not None:
+            raise generation.refusal
 
-    def release(self, cancelled: bool) -> None:
-        self.state.running = False
+    def finished(self, cancelled: bool) -> None:
         self.state.served += 1
         self.state.cancelled += cancelled
-        self._lock.release()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
 
 
 @dataclass
@@ -102,34 +114,44 @@ _END = object()
 
 
 class Generation:
-    """A request's generation on the ranks: `pieces()` yields the text as it comes; `close()` stops it
-    if it is still under way and waits until the ranks are free."""
+    """A request's generation on the ranks, run by the scheduler's thread and read from the event loop:
+    `pieces()` yields the text as it comes; `close()` stops it if it is still under way and waits
+    until the ranks are done with it."""
 
-    def __init__(self, session: Session, tokens: list[int], params: GenerationParams) -> None:
-        self.session, self.tokens, self.params = session, tokens, params
+    def __init__(self, tokens: list[int], params: GenerationParams) -> None:
+        self.tokens, self.params, self.max_tokens = tokens, params, params.max_tokens
         self.outcome = Outcome(prompt_tokens=len(tokens))
         self.stop = StopText(params.stop)
         self.finished = False  # the ranks ended the answer (or a stop string did), not a client
+        self.cancelled = threading.Event()
+        self.refusal: BaseException | None = None  # what refused it before it ran
+        self.scheduler: Scheduler | None = None
         self._events: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._produce, name="generation", daemon=True)
-        self._done = asyncio.Event()
+        self.admitted, self._done = asyncio.Event(), asyncio.Event()
+        self._admitted = False
 
-    def start(self) -> None:
+    # ---- the scheduler's side (its thread)
+
+    def prepare(self, session: Session) -> None:
         p = self.params
-        self.session.sampling = SamplingOptions(p.max_tokens, p.temperature, p.top_p, p.seed, p.ignore_eos,
-                                                p.top_logprobs)
-        self._thread.start()
+        session.sampling = SamplingOptions(p.max_tokens, p.temperature, p.top_p, p.seed, p.ignore_eos,
+                                           p.top_logprobs)
 
-    def _produce(self) -> None:
-        try:
-            for event in self.session.generate(self.tokens, self.params.max_tokens):
-                self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        except BaseException as e:  # handed to the loop, raised there
-            self._loop.call_soon_threadsafe(self._events.put_nowait, e)
-        finally:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, _END)
-            self._loop.call_soon_threadsafe(self._done.set)
+    def admit(self, error: BaseException | None = None) -> None:
+        """The ranks run it, or `error` refused it before they did (later errors come as events)."""
+        if not self._admitted:
+            self._admitted, self.refusal = True, error
+            self._loop.call_soon_threadsafe(self.admitted.set)
+
+    def put(self, item: Event | BaseException) -> None:
+        self._loop.call_soon_threadsafe(self._events.put_nowait, item)
+
+    def end(self) -> None:
+        self.put(_END)
+        self._loop.call_soon_threadsafe(self._done.set)
+
+    # ---- the event loop's side
 
     async def pieces(self) -> AsyncIterator[Piece | Progress]:
         """Text pieces (and prefill progress, for a stream to keep the connection busy) until the end;
@@ -147,7 +169,7 @@ class Generation:
                 generated += 1
                 piece = self.stop.add(event)
                 if self.stop.stopped:
-                    await asyncio.to_thread(self.session.cancel)
+                    self.scheduler.cancel(self)
                 if piece.text or piece.tokens:
                     yield piece
             elif isinstance(event, Done):
@@ -162,10 +184,11 @@ class Generation:
 
     async def close(self) -> None:
         """Stop the ranks if the answer is still coming (the client went away), and wait for them."""
-        if self._thread.is_alive() and not self._done.is_set():
-            await asyncio.to_thread(self.session.cancel)
-        if self._thread.ident is not None:
-            await self._done.wait()
+        if self.scheduler is None:
+            return
+        if not self._done.is_set():
+            self.scheduler.cancel(self)
+        await self._done.wait()
 
 
 def api_error_of(error: BaseException) -> ApiError:

@@ -10,6 +10,7 @@ from cpchat.client.events import RankStats
 from cpchat.serve.openai_api import Outcome
 
 TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+STEP_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 
 
@@ -36,6 +37,8 @@ class ServerMetrics:
         self.waiting = Gauge("cpchat_queue_waiting", "Requests waiting for the ranks", registry=r)
         self.conversations = Gauge("cpchat_conversations_held", "Conversations the ranks hold", registry=r)
         self.batch = Gauge("cpchat_batch_size", "Requests running on the ranks now", registry=r)
+        self.step_rows = Histogram("cpchat_decode_step_answers", "Answers each batched decode step advanced",
+                                   buckets=STEP_ROW_BUCKETS, registry=r)
         self.kv_bytes = Gauge("cpchat_rank_kv_bytes", "Bytes of K/V (and linear layers' states) each rank "
                               "holds", ["rank", "address"], registry=r)
         self.kv_tokens = Gauge("cpchat_rank_kv_tokens", "Tokens each rank holds K/V of", ["rank", "address"],

@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from cpchat import EXIT_BACKEND, EXIT_OK, EXIT_USAGE
 from cpchat.checkpoints.resolve import DownloadLines
+from cpchat.client.cluster import Cluster
 from cpchat.client.connect import ClusterOptions, is_loopback
 from cpchat.client.events import Progress, Token
 from cpchat.client.frontend import Frontend
@@ -48,6 +49,7 @@ from cpchat.serve.openai_api import (
     parse_completion,
     prompt_progress,
 )
+from cpchat.serve.scheduler import Scheduler
 
 MAX_REQUEST_BYTES = 64 << 20  # a request body past this is refused (413)
 DRAIN_FACTOR = 4  # a body up to this many times the bound is read (and dropped) before its 413
@@ -63,13 +65,14 @@ class Service:
     """What the routes delegate to: the model's name, the session on the ranks and their queue."""
 
     def __init__(self, session: Session, model_id: str, defaults: GenerationParams, max_queue: int,
-                 max_request_bytes: int = MAX_REQUEST_BYTES, reconnect: Callable[[], None] | None = None
-                 ) -> None:
+                 max_request_bytes: int = MAX_REQUEST_BYTES, reconnect: Callable[[], None] | None = None,
+                 max_batch: int = 1, prefill_chunk: int = 0) -> None:
         self.session, self.model_id, self.defaults = session, model_id, defaults
         self.reconnect = reconnect  # ranks that stopped answering: start or reach them again
-        self.queue = RankQueue(max_queue)
         self.max_request_bytes = max_request_bytes
         self.metrics = ServerMetrics()
+        self.queue = RankQueue(max_queue, Scheduler(session, max_batch, self.ranks_answer, prefill_chunk,
+                                                    self.metrics.step_rows.observe))
 
     # ---- requests
 
@@ -111,19 +114,10 @@ class Service:
         return params
 
     async def start(self, tokens: list[int], params: GenerationParams) -> Generation:
-        """Wait for the ranks (or be refused), check their memory, and start the generation."""
-        params = self.fit(tokens, params)
-        await self.queue.acquire()
-        try:
-            await asyncio.to_thread(self.ranks_answer)
-            refused = await asyncio.to_thread(self.session.make_room, tokens, params.max_tokens)
-            if refused is not None:
-                raise ApiError(400, str(refused), code="insufficient_memory")
-            generation = Generation(self.session, tokens, params)
-            generation.start()
-        except BaseException:
-            self.queue.release(cancelled=False)
-            raise
+        """Wait for the ranks (or be refused) and start the generation: the scheduler checks that the
+        ranks answer and have the memory for it first."""
+        generation = Generation(tokens, self.fit(tokens, params))
+        await self.queue.start(generation)
         return generation
 
     def ranks_answer(self) -> None:
@@ -164,7 +158,7 @@ class Service:
 
     async def finish(self, generation: Generation, kind: str) -> None:
         await generation.close()
-        self.queue.release(cancelled=not generation.finished)
+        self.queue.finished(cancelled=not generation.finished)
         self.metrics.finished(kind, generation.outcome, generation.finished)
         o = generation.outcome
         end = f"{o.completion_tokens} generated, TTFT {o.ttft_ms:,.0f} ms, {o.decode_tokens_per_s:.1f} tok/s"
@@ -209,7 +203,8 @@ class Service:
     async def health(self) -> dict:
         cluster, state, held = self.session.cluster, self.queue.state, self.session.conversations
         stats = await asyncio.to_thread(cluster.stats_once)
-        return {"status": "ok", "model": self.model_id, "running": state.running, "waiting": state.waiting,
+        return {"status": "ok", "model": self.model_id, "running": self.queue.running,
+                "waiting": self.queue.waiting,
                 "served": state.served, "cancelled": state.cancelled, "held_tokens": held.tokens,
                 "held_conversations": len(held.by_name),
                 "ranks": [{"rank": s.rank, "address": s.address, "state": s.state, "kv_tokens": s.kv_tokens,
@@ -222,9 +217,8 @@ class Service:
             stats = await asyncio.to_thread(self.session.cluster.stats_once)
         except BackendError:
             stats = []
-        state = self.queue.state
         held = len(self.session.conversations.by_name)
-        return self.metrics.text(state.waiting, int(state.running), held, stats)
+        return self.metrics.text(self.queue.waiting, self.queue.running, held, stats)
 
 
 class EventStream(StreamingResponse):
@@ -363,12 +357,22 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def batch_size(asked: int, cluster: Cluster) -> int:
+    """--max-batch, or 1 where a batched step cannot run (it says why)."""
+    why = ("its linear layers keep a state per conversation" if cluster.model.state_layers else
+           "pipeline stages run one request at a time" if cluster.stages > 1 else "")
+    if asked > 1 and why:
+        say(f"answers decode one at a time: {why}")
+        return 1
+    return asked
+
+
 def run_serve(args: argparse.Namespace, options: ClusterOptions) -> int:
     """0 after a clean shutdown (Ctrl+C, SIGTERM), 2 on bad input, 3 when the ranks fail at startup."""
     import uvicorn
 
     api_key = args.api_key or os.environ.get("CPCHAT_API_KEY") or None
-    front, sock = None, None
+    front, sock, service = None, None, None
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _shutdown)
     try:
@@ -385,8 +389,10 @@ def run_serve(args: argparse.Namespace, options: ClusterOptions) -> int:
         session.conversations = HeldConversations(HELD_CONVERSATIONS, args.kv_cache_bytes)
         model_id = settings.model or "demo"
         defaults = GenerationParams(settings.max_tokens, settings.temp, settings.top_p, settings.seed)
+        max_batch = batch_size(args.max_batch, cluster)
         service = Service(session, model_id, defaults, args.max_queue, args.max_request_bytes,
-                          reconnect=lambda: front.reconnect(DownloadLines()))
+                          reconnect=lambda: front.reconnect(DownloadLines()), max_batch=max_batch,
+                          prefill_chunk=args.prefill_chunk)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         stages = f" as {cluster.stages} pipeline stages" if cluster.stages > 1 else ""
@@ -408,5 +414,7 @@ def run_serve(args: argparse.Namespace, options: ClusterOptions) -> int:
     finally:
         if sock is not None:
             sock.close()
+        if service is not None:
+            service.queue.stop()
         if front is not None:
             front.close(generating=True)

@@ -33,9 +33,9 @@ def exchange(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: 
     mine = rp.partial(call, timing, q, rp.q_positions, k, v, k_pos)
     if rp.ring.size == 1:
         return mine
-    rp.send(timing, key, [_packed(mine)], to=rp.ring.peers)
+    rp.send(timing, key, [packed(mine)], to=rp.ring.peers)
     timing = rp.step_timing(layer, 1)
-    parts = [mine if r == rp.ring.rank else _unpacked(rp.take(timing, key, r)) for r in range(rp.ring.size)]
+    parts = [mine if r == rp.ring.rank else unpacked(rp.take(timing, key, r)) for r in range(rp.ring.size)]
     return merge_partials(parts)
 
 
@@ -45,12 +45,12 @@ def ring(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.a
     n, layer = rp.ring.size, call.layer
     timing = rp.step_timing(layer, 0)
     parts = {rp.ring.rank: rp.partial(call, timing, q, rp.q_positions, k, v, k_pos)}
-    block = [_packed(parts[rp.ring.rank])]
+    block = [packed(parts[rp.ring.rank])]
     for step in range(n - 1):
         rp.send(timing, rp.key(layer, step, pb.PARTIAL), block)
         timing = rp.step_timing(layer, step + 1)
         block = rp.take(timing, rp.key(layer, step, pb.PARTIAL))
-        parts[(rp.ring.rank - step - 1) % n] = _unpacked(block)
+        parts[(rp.ring.rank - step - 1) % n] = unpacked(block)
     return merge_partials([parts[r] for r in range(n)])
 
 
@@ -68,7 +68,7 @@ def lead(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.a
     if n == 1:
         return mine
     timing = rp.step_timing(layer, 1)
-    return merge_partials([mine if r == 0 else _unpacked(rp.take(timing, rp.key(layer, 0, pb.PARTIAL), r))
+    return merge_partials([mine if r == 0 else unpacked(rp.take(timing, rp.key(layer, 0, pb.PARTIAL), r))
                            for r in range(n)])
 
 
@@ -82,7 +82,7 @@ def follow(rp: RingPass, calls: list[LayerCall]) -> None:
             rp.store_new(call.layer, *new)
         k, v, k_pos = rp.kv.layer(call.layer)
         mine = rp.partial(call, timing, q, rp.q_positions, k, v, k_pos)
-        rp.send(timing, rp.key(call.layer, 0, pb.PARTIAL), [_packed(mine)], to=[0])
+        rp.send(timing, rp.key(call.layer, 0, pb.PARTIAL), [packed(mine)], to=[0])
 
 
 def gather(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx.array | None,
@@ -92,14 +92,14 @@ def gather(rp: RingPass, call: LayerCall, q: mx.array, k: mx.array | None, v: mx
     return rp.attend_blocks(call, q, rp.q_positions, [*rp.held.get(call.layer, []), (k, v, k_pos)])
 
 
-def _packed(partial: Partial) -> mx.array:
-    """out [1, H, 1, Dv] and lse [1, H, 1] as one [1, H, 1, Dv + 1] float32 tensor, joined in numpy:
+def packed(partial: Partial) -> mx.array:
+    """out [B, H, 1, Dv] and lse [B, H, 1] as one [B, H, 1, Dv + 1] float32 tensor, joined in numpy:
     the partial is evaluated already, and evaluating even a small MLX operation costs ~0.14 ms on the
     CPU, on the critical path of every layer's exchange."""
     out, lse = partial
     return mx.array(np.concatenate([np.asarray(out), np.asarray(lse)[..., None]], axis=-1))
 
 
-def _unpacked(block: list[mx.array]) -> Partial:
+def unpacked(block: list[mx.array]) -> Partial:
     (packed,) = block
     return packed[..., :-1], packed[..., -1]
