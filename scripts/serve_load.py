@@ -7,8 +7,9 @@ reuse another's K/V; cpchat runs without its prefix cache).
                                  [--clients 1,4,8] [--context 4096] [--answer 128] [--serve-args ARGS]
 
 Prints, per client count: the tokens generated over the wall time from the first request sent to
-the last answer's end (aggregate tokens/s), the time to first token at the client (p50, p95), and
-the same for the requests sent one after another.
+the last answer's end (aggregate tokens/s), the tokens after each answer's first over the time some
+answer was decoding (decode tokens/s), the time to first token at the client (p50, p95), and the
+same for the requests sent one after another.
 """
 
 from __future__ import annotations
@@ -73,12 +74,22 @@ def together(url: str, documents: list[str], answer: int, no_end: dict) -> list[
     return [a for a in answers if a is not None]
 
 
+def decoding_s(answers: list[Answer]) -> float:
+    """Seconds in which some answer was decoding (between its first token and its end)."""
+    total, reach = 0.0, float("-inf")
+    for a in sorted(answers, key=lambda a: a.first):
+        total += max(0.0, a.end - max(a.first, reach))
+        reach = max(reach, a.end)
+    return total
+
+
 def row(name: str, answers: list[Answer]) -> str:
     wall = max(a.end for a in answers) - min(a.sent for a in answers)
     ttft = np.array([a.first - a.sent for a in answers])
     tokens = sum(a.tokens for a in answers)
-    return (f"| {name} | {len(answers)} | {tokens:,} | {tokens / wall:.1f} | {np.percentile(ttft, 50):.1f} | "
-            f"{np.percentile(ttft, 95):.1f} |")
+    decode = sum(a.tokens - 1 for a in answers) / decoding_s(answers)
+    return (f"| {name} | {len(answers)} | {tokens:,} | {tokens / wall:.1f} | {decode:.1f} | "
+            f"{np.percentile(ttft, 50):.1f} | {np.percentile(ttft, 95):.1f} |")
 
 
 def start(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
@@ -131,8 +142,9 @@ def main() -> int:
     ids = tokenizer.encode(text * (args.context * need // len(tokenizer.encode(text)) + 2))
     documents = iter([tokenizer.decode(ids[i * args.context:(i + 1) * args.context]) for i in range(need)])
     print(f"`{' '.join(['python', *sys.argv])}`\n")
-    print("| requests | clients | tokens | aggregate tokens/s | TTFT p50, s | TTFT p95, s |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| requests | clients | tokens | aggregate tokens/s | decode tokens/s | TTFT p50, s | "
+          "TTFT p95, s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     # cpchat takes vLLM's and llama.cpp's ignore_eos; mlx_lm.server a bias against the end tokens
     no_end = {"ignore_eos": True} if args.server == "cpchat" else {
         "logit_bias": {str(t): -1e9 for t in tokenizer.eos_token_ids}}

@@ -60,6 +60,11 @@ class Batch:
         self.session = session
         self.answers: list[Answer] = []
 
+    @property
+    def tokens_to_come(self) -> int:
+        """Tokens the answers under way may still add to the ranks' K/V (each up to its max_tokens)."""
+        return sum(a.max_tokens - len(a.generated) for a in self.answers)
+
     def add(self, answer: Answer) -> None:
         self.session.conversations.busy.add(answer.held.name)
         self.answers.append(answer)

@@ -44,10 +44,16 @@ class Reading:
         if kv.quantized and keep < kv.start < len(tokens):
             chunk = 0
         self.ends = chunk_ends(keep, len(tokens), chunk)
+        self.read = keep  # of the prompt, the tokens the ranks hold
         self.first: Prefill | None = None  # the first chunk's: what was kept, and from where
         self.started = time.perf_counter()
         self.name = ""  # the conversation, between chunks
         self.chunk_started = self.started
+
+    @property
+    def tokens_to_come(self) -> int:
+        """Tokens its prompt's chunks not read yet and its answer may add to the ranks' K/V."""
+        return len(self.tokens) - self.read + self.max_tokens
 
     def next(self) -> tuple[bool, Answer | None]:
         """Read the next chunk: whether the prompt is read, and then the answer to decode on (if any)."""
@@ -59,6 +65,7 @@ class Reading:
         events = self.session.generate(self.tokens[:end], self.max_tokens if last else 0,
                                        batched=self.batched and last, save=last)
         answer = until_batched(events, self._pass_on)
+        self.read = end
         if not last:
             self.name = conversations.current.name
             conversations.busy.add(self.name)

@@ -101,12 +101,14 @@ class Scheduler:
                 self._step()
 
     def _begin(self, request: Request) -> None:
-        """Check that the ranks answer and have the memory for the request, and read it next."""
+        """Check that the ranks answer and have the memory for the request beside what the others may still
+        add (or it waits for fewer of them), and read it next."""
         session = self.session
         try:
             if not self.running:  # started again, the ranks would drop the others' conversations
                 self.ranks_answer()
-            refused = session.make_room(request.tokens, request.max_tokens)
+            others = self.batch.tokens_to_come + sum(r.tokens_to_come for _, r in self.readings)
+            refused = session.make_room(request.tokens, request.max_tokens + others)
             if refused is not None and self.running:  # room comes back as they end
                 with self._changed:
                     self.waiting.appendleft(request)
