@@ -25,10 +25,10 @@ class Holds(Protocol):
     cluster: Cluster
     conversations: HeldConversations
 
-    def _let_go(self, names: list[str]) -> None: ...
+    def let_go(self, names: list[str]) -> None: ...
 
 
-@dataclass
+@dataclass(eq=False)
 class Answer:
     """One request's answer after its first token: its conversation, what it has sampled, how it samples."""
 
@@ -104,7 +104,7 @@ class Batch:
         self.answers.remove(answer)
         conversations = self.session.conversations
         conversations.busy.discard(answer.held.name)
-        self.session._let_go(conversations.over_budget())
+        self.session.let_go(conversations.over_budget())
         return answer.done()
 
     def fail(self) -> None:
@@ -115,7 +115,7 @@ class Batch:
             conversations.let_go(name)
         self.answers.clear()
         with contextlib.suppress(BackendError):  # ranks that died let go of everything anyway
-            self.session._let_go(names)
+            self.session.let_go(names)
 
 
 def until_batched(events: Generator[Event, None, Answer | None],

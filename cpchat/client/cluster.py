@@ -425,9 +425,10 @@ class Cluster:
         return PrefixLoaded(max(r.keep_floor for r in replies), common_cuts([tuple(r.state_positions)
                                                                              for r in replies]))
 
-    def cancel(self) -> None:
-        """Ask every rank at once to abort the running request (a hung rank costs one deadline)."""
-        request = pb.CancelRequest(request_id=self._current_request)
+    def cancel(self, request_id: str | None = None) -> None:
+        """Ask every rank at once to abort the running request (or `request_id`; a hung rank costs one
+        deadline)."""
+        request = pb.CancelRequest(request_id=self._current_request if request_id is None else request_id)
         calls = [r.control.Cancel.future(request, timeout=2.0, metadata=self.metadata) for r in self.ranks]
         for call in calls:
             with contextlib.suppress(grpc.RpcError):
@@ -462,9 +463,7 @@ class Cluster:
             try:
                 call.result()
             except grpc.RpcError as e:  # the others wait for its partials: stop them
-                self._current_request = request.step_id
-                self.cancel()
-                self._current_request = ""
+                self.cancel(request.step_id)
                 r = calls[call]
                 r.state = "failed"
                 raise BackendError(self._describe(r, e, "a decode step")) from None

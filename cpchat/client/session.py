@@ -228,7 +228,7 @@ class Session:
         if self._may_load(full, keep, held):
             choice = choose_prefix(self.cluster.find_prefixes(full), len(full) - 1, keep,
                                    self.cluster.ring_size)
-        self._let_go(self.conversations.run(held if choice is None else None))
+        self.let_go(self.conversations.run(held if choice is None else None))
         if choice is None:
             return keep, None
         held = self.conversations.current
@@ -241,7 +241,8 @@ class Session:
         held.keep_floor, held.state_positions = loaded.keep_floor, list(loaded.state_positions)
         return held.kept(full), choice
 
-    def _let_go(self, names: list[str]) -> None:
+    def let_go(self, names: list[str]) -> None:
+        """The ranks let these conversations go."""
         for name in names:
             self.cluster.reset(0, name)
 
@@ -253,7 +254,7 @@ class Session:
             if other is None:
                 return refused
             self.conversations.let_go(other.name)
-            self._let_go([other.name])
+            self.let_go([other.name])
         return None
 
     def cancel(self) -> None:
@@ -401,7 +402,7 @@ class Session:
         if batched and generated and not done.cancelled:
             self.turn_index += 1
             return Answer(held, full, request, answer_tokens, turn, detok, generated, t_start, t_first)
-        self._let_go(self.conversations.over_budget())
+        self.let_go(self.conversations.over_budget())
         if self.raw:
             self.raw_history = full + generated
         self.turn_index += 1
