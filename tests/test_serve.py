@@ -225,6 +225,10 @@ def test_metrics_count_what_was_asked_and_what_the_ranks_hold(server, model):
         urllib.request.urlopen(unauthorised, timeout=30)
 
 
+def asking(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
 def metrics(server: Server) -> dict[tuple, float]:
     """The server's /metrics, each sample by (name, labels)."""
     request = urllib.request.Request(server.url + "/metrics", headers=AUTH)
@@ -506,31 +510,41 @@ def test_past_the_queue_bound_429_with_retry_after(server, model):
 
 
 @pytest.mark.slow
-def test_fifty_requests_from_four_clients_all_answered_memory_flat(server, model):
-    client = server.client(timeout=300)
-    server.until(lambda h: not h["running"], "an idle server")
-    before = server.health()
-    answers: list = []
+def test_a_hundred_requests_from_eight_clients_all_answered_memory_flat(model):
+    """Eight clients, a hundred requests, on a server that decodes eight answers together: all answered,
+    each conversation kept and counted as the ranks count it, and no rank's memory grown."""
+    s = start_server(["--model", str(model), "--ranks", "2", "--api-key", KEY, "--no-cache"])
+    try:
+        client = s.client(timeout=300)
+        client.chat.completions.create(model=str(model), max_tokens=3, messages=asking("Hi"))
+        before = s.health()
+        answers: list = []
 
-    def ask(worker: int) -> None:
-        for i in range(worker, 50, 4):
-            answers.append((i, client.chat.completions.create(
-                model=str(model), max_tokens=3, messages=[{"role": "user", "content": f"Question {i}?"}])))
+        def ask(worker: int) -> None:
+            for i in range(worker, 100, 8):
+                answers.append((i, client.chat.completions.create(
+                    model=str(model), max_tokens=3 + i % 5, messages=asking(f"Question {i}?"))))
 
-    workers = [threading.Thread(target=ask, args=(w,)) for w in range(4)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(timeout=600)
-    assert sorted(i for i, _ in answers) == list(range(50)), "none lost"
-    assert all(a.usage.completion_tokens >= 1 for _, a in answers)
-    after = server.health()
-    assert after["served"] == before["served"] + 50
-    # each question its own short conversation, kept: the ranks hold what the server counts, no more
-    assert all(r["conversations"] == after["held_conversations"] for r in after["ranks"])
-    assert sum(r["kv_tokens"] for r in after["ranks"]) == after["held_tokens"]
-    for old, new in zip(before["ranks"], after["ranks"], strict=True):
-        assert new["rss_bytes"] < old["rss_bytes"] * 1.25 + (32 << 20), (old, new)
+        workers = [threading.Thread(target=ask, args=(w,)) for w in range(8)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=600)
+        assert sorted(i for i, _ in answers) == list(range(100)), "none lost"
+        assert all(a.usage.completion_tokens >= 1 for _, a in answers)
+        after = s.health()
+        assert after["served"] == before["served"] + 100 and not after["running"]
+        # each question its own short conversation, kept: the ranks hold what the server counts, no more
+        assert all(r["conversations"] == after["held_conversations"] for r in after["ranks"])
+        assert sum(r["kv_tokens"] for r in after["ranks"]) == after["held_tokens"]
+        for old, new in zip(before["ranks"], after["ranks"], strict=True):
+            assert new["rss_bytes"] < old["rss_bytes"] * 1.25 + (32 << 20), (old, new)
+        steps = metrics(s)
+        assert steps[("cpchat_decode_step_answers_count", ())] > \
+            steps[("cpchat_decode_step_answers_bucket", (("le", "1.0"),))], "answers stepped together"
+    finally:
+        s.process.send_signal(signal.SIGTERM)
+        assert s.process.wait(timeout=60) == 0, "".join(s.lines)
 
 
 def test_the_event_stream_on_the_wire(server, model):
