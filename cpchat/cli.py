@@ -126,9 +126,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="answers decoding together, a step for all at once (default 8; fewer where the "
                         "memory check leaves no room for another). 1: each answer whole, in turn, with "
                         "speculative decoding; models with linear layers and pipeline stages run 1")
-    p.add_argument("--prefill-chunk", type=whole_number, default=8192, metavar="T",
+    p.add_argument("--prefill-chunk", type=whole_number, default=2048, metavar="T",
                    help="read long prompts T tokens at a time (a multiple of 2,048), the answers under way "
-                        "stepping on between chunks (default 8192; 0: each prompt whole)")
+                        "stepping on between chunks (default 2048; 0: each prompt whole)")
     p.add_argument("--max-request-bytes", type=positive_int, default=64 << 20, metavar="B",
                    help="largest request body; past it, 413 (default 64 MiB)")
     p.add_argument("--kv-cache-bytes", type=byte_size, default=None, metavar="SIZE",

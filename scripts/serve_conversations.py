@@ -23,11 +23,7 @@ import urllib.request
 from collections import defaultdict
 
 import numpy as np
-from serve_load import free_port, serving
-
-from cpchat.client.hub import front_end_copy
-from cpchat.client.session import load_tokenizer
-from cpchat.client.settings import bundled, resolve_model
+from serve_load import free_port, sample_ids, serving
 
 
 def ask(url: str, messages: list[dict]) -> dict:
@@ -55,10 +51,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=4096, help="each conversation's document, in tokens")
     p.add_argument("--serve-args", default="", help="more options for cpchat serve")
     args = p.parse_args()
-    tokenizer = load_tokenizer(front_end_copy(resolve_model(args.model)[0], whole_model=False))
-    text = bundled("sample-doc.txt").read_text(encoding="utf-8")
     n = args.conversations
-    ids = tokenizer.encode(text * (args.tokens * n // len(tokenizer.encode(text)) + 2))
+    tokenizer, ids = sample_ids(args.model, args.tokens * n)
     chats = [[{"role": "user", "content": tokenizer.decode(ids[i * args.tokens:(i + 1) * args.tokens])
                + "\n\nWhat is this text about?"}] for i in range(n)]
     print(f"`{shlex.join(['python', *sys.argv])}`\n")

@@ -17,11 +17,7 @@ import threading
 import time
 import urllib.request
 
-from serve_load import free_port, serving
-
-from cpchat.client.hub import front_end_copy
-from cpchat.client.session import load_tokenizer
-from cpchat.client.settings import bundled, resolve_model
+from serve_load import free_port, sample_ids, serving
 
 
 def stream(url: str, text: str, answer: int, on_progress=None) -> float:
@@ -52,9 +48,7 @@ def main() -> int:
     p.add_argument("--context", type=int, default=32768, help="the long prompt, in tokens")
     p.add_argument("--chunks", default="0,8192,2048", help="--prefill-chunk values to try")
     args = p.parse_args()
-    tokenizer = load_tokenizer(front_end_copy(resolve_model(args.model)[0], whole_model=False))
-    text = bundled("sample-doc.txt").read_text(encoding="utf-8")
-    ids = tokenizer.encode(text * (args.context // len(tokenizer.encode(text)) + 2))
+    tokenizer, ids = sample_ids(args.model, args.context + 16)
     print(f"`{' '.join(['python', *sys.argv])}`\n")
     print("| --prefill-chunk | short request's TTFT, s | long prompt's TTFT, s |")
     print("|---:|---:|---:|")

@@ -104,6 +104,13 @@ def start(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     return serving(subprocess.Popen(command, stderr=subprocess.DEVNULL), port, args.server)
 
 
+def sample_ids(model: str, tokens: int) -> tuple[object, list[int]]:
+    """The model's tokenizer, and the bundled sample document repeated to at least `tokens` token ids."""
+    tokenizer = load_tokenizer(front_end_copy(resolve_model(model)[0], whole_model=False))
+    text = bundled("sample-doc.txt").read_text(encoding="utf-8")
+    return tokenizer, tokenizer.encode(text * (tokens // len(tokenizer.encode(text)) + 2))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -135,11 +142,8 @@ def main() -> int:
     p.add_argument("--serve-args", default="", help="more options for cpchat serve, e.g. '--max-batch 1'")
     args = p.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
-    tokenizer = load_tokenizer(front_end_copy(resolve_model(args.model)[0], whole_model=False))
-    text = bundled("sample-doc.txt").read_text(encoding="utf-8")
-    ids = tokenizer.encode(text * (args.context * (max(counts) + 2) // len(tokenizer.encode(text)) + 2))
     need = 2 * sum(counts)
-    ids = tokenizer.encode(text * (args.context * need // len(tokenizer.encode(text)) + 2))
+    tokenizer, ids = sample_ids(args.model, args.context * need)
     documents = iter([tokenizer.decode(ids[i * args.context:(i + 1) * args.context]) for i in range(need)])
     print(f"`{' '.join(['python', *sys.argv])}`\n")
     print("| requests | clients | tokens | aggregate tokens/s | decode tokens/s | TTFT p50, s | "

@@ -19,9 +19,7 @@ import tempfile
 import time
 import urllib.request
 
-from cpchat.client.hub import front_end_copy
-from cpchat.client.session import load_tokenizer
-from cpchat.client.settings import bundled, resolve_model
+from serve_load import sample_ids
 
 
 def ask(url: str, system: str, question: str) -> tuple[float, dict]:
@@ -49,9 +47,8 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--tokens", type=int, default=16384, help="the system prompt's length in tokens")
     args = p.parse_args()
-    tokenizer = load_tokenizer(front_end_copy(resolve_model(args.model)[0], whole_model=False))
-    text = bundled("sample-doc.txt").read_text(encoding="utf-8")
-    ids = tokenizer.encode(text * (args.tokens // len(tokenizer.encode(text)) + 1))[: args.tokens]
+    tokenizer, ids = sample_ids(args.model, args.tokens)
+    ids = ids[: args.tokens]
     system = tokenizer.decode(ids)
     with tempfile.TemporaryDirectory() as cache:
         command = [sys.executable, "-m", "cpchat", "serve", "--port", "0", "--ranks", str(args.ranks),
