@@ -7,7 +7,7 @@ import contextlib
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import fields
 from pathlib import Path
 
@@ -25,7 +25,9 @@ from cpchat.client.streams import (
     SILENCE_S,
     GenerationRun,
     RankResult,
+    cancel_on,
     merged_stats,
+    step_on,
     unanswering,
 )
 from cpchat.core.estimate import PrefillCost
@@ -426,13 +428,8 @@ class Cluster:
                                                                              for r in replies]))
 
     def cancel(self, request_id: str | None = None) -> None:
-        """Ask every rank at once to abort the running request (or `request_id`; a hung rank costs one
-        deadline)."""
-        request = pb.CancelRequest(request_id=self._current_request if request_id is None else request_id)
-        calls = [r.control.Cancel.future(request, timeout=2.0, metadata=self.metadata) for r in self.ranks]
-        for call in calls:
-            with contextlib.suppress(grpc.RpcError):
-                call.result()
+        """Ask every rank at once to abort the running request (or `request_id`)."""
+        cancel_on(self.ranks, self.metadata, self._current_request if request_id is None else request_id)
 
     def unanswering(self, timeout: float = HEALTH_DEADLINE_S) -> list[tuple[RankHandle, grpc.RpcError]]:
         """Ranks that do not answer Health within timeout (all asked at once), in ring order."""
@@ -457,17 +454,8 @@ class Cluster:
     def step(self, rows: list[StepRow]) -> list[TokenOut]:
         """One decode step over several answers at once (each row's conversation reads its unread token):
         the token each samples. A failing rank raises BackendError naming it."""
-        request = step_request(rows)
-        calls = {self._pool.submit(r.control.Step, request, metadata=self.metadata): r for r in self.ranks}
-        for call in as_completed(calls):
-            try:
-                call.result()
-            except grpc.RpcError as e:  # the others wait for its partials: stop them
-                self.cancel(request.step_id)
-                r = calls[call]
-                r.state = "failed"
-                raise BackendError(self._describe(r, e, "a decode step")) from None
-        return [token_out(t) for t in next(iter(calls)).result().tokens]
+        reply = step_on(self.ranks, self.metadata, self._pool, self._describe, step_request(rows))
+        return [token_out(t) for t in reply.tokens]
 
     def stats_once(self) -> list[RankStats]:
         """Every rank's stats now, in rank order."""

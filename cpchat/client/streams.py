@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -93,6 +93,31 @@ def unanswering(ranks: list[RankHandle], metadata, timeout: float = HEALTH_DEADL
         except grpc.RpcError as e:
             failed.append((r, e))
     return failed
+
+
+def cancel_on(ranks: list[RankHandle], metadata, request_id: str) -> None:
+    """Ask every rank at once to abort request `request_id` ("": whatever runs); a hung rank costs one
+    deadline."""
+    request = pb.CancelRequest(request_id=request_id)
+    calls = [r.control.Cancel.future(request, timeout=2.0, metadata=metadata) for r in ranks]
+    for call in calls:
+        with contextlib.suppress(grpc.RpcError):
+            call.result()
+
+
+def step_on(ranks: list[RankHandle], metadata, pool: ThreadPoolExecutor, describe: Describe,
+            request: pb.StepRequest) -> pb.StepReply:
+    """A batched decode step on every rank at once; the first rank's reply (it samples). A rank that fails
+    stops the others (they wait for its partials) and raises BackendError naming it."""
+    calls = {pool.submit(r.control.Step, request, metadata=metadata): r for r in ranks}
+    for call in as_completed(calls):
+        try:
+            call.result()
+        except grpc.RpcError as e:
+            cancel_on(ranks, metadata, request.step_id)
+            calls[call].state = "failed"
+            raise BackendError(describe(calls[call], e, "a decode step")) from None
+    return next(iter(calls)).result()
 
 
 class GenerationRun:

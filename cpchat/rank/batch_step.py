@@ -41,7 +41,7 @@ class Holds(Protocol):
     info: ModelShape | None
     parked: Parked
 
-    def _new_kv(self) -> KVShard: ...
+    def new_kv(self) -> KVShard: ...
 
 
 @dataclass
@@ -86,7 +86,7 @@ def check(engine: Holds, req: pb.StepRequest, ranks: int) -> None:
 def run(engine: Holds, req: pb.StepRequest, ring: Ring, abort: threading.Event) -> list[pb.TokenEvent]:
     """The step (every rank together): the sampled tokens on rank 0, none on the others. On failure
     every conversation is as before it."""
-    sequences = engine.parked.side_by_side(engine, [row.sequence for row in req.rows], engine._new_kv)
+    sequences = engine.parked.side_by_side(engine, [row.sequence for row in req.rows], engine.new_kv)
     rows = [Row(s, r.token, decode_owner(s.total_tokens, ring.size, tuple(r.shares) or None))
             for s, r in zip(sequences, req.rows)]
     fmt = engine.info.kv_format
@@ -174,10 +174,9 @@ class BatchPass:
 
     def _exchange(self, layer: int, mine: Partial) -> Partial:
         """Every rank's partials for the batch, merged in rank order."""
-        key = BlockKey(self.step_id, layer, 0, pb.PARTIAL)
+        key, ring = BlockKey(self.step_id, layer, 0, pb.PARTIAL), self.ring
         mx.eval(*mine)
-        self.ring.send_all(key, [packed(mine)], self.ring.peers)
-        ring = self.ring
+        ring.send_all(key, [packed(mine)], ring.peers)
         return merge_partials([mine if r == ring.rank else unpacked(ring.take(key, self.abort, r)[0])
                                for r in range(ring.size)])
 

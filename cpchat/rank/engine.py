@@ -97,7 +97,7 @@ class Engine:
         key = self.measures.key(self.info.structure, stage.first, stage.end, self.weight_bytes)
         self.prefill_cost, self.forward_memory = self.measures.measured(
             key, lambda: measure_prefill(self.model, self.info))
-        self.kv = self._new_kv()
+        self.kv = self.new_kv()
         self.states = StateStore()
         self.total_tokens = 0
         self.prefix.forget(0)
@@ -105,12 +105,13 @@ class Engine:
         self.prefix.run_layers(self.info.place.first, self.info.place.end, self.info.place.stages > 1)
         return self.info
 
-    def _new_kv(self) -> KVShard:
+    def new_kv(self) -> KVShard:
+        """An empty K/V shard for this model (a conversation's)."""
         return KVShard(self.info.num_layers, self.info.linear, self.info.kv_format, self.info.elsewhere)
 
     def use(self, sequence: str) -> None:
         """Run conversation `sequence`, parking the one running; one this rank does not hold starts empty."""
-        self.parked.switch(self, sequence, self._new_kv)
+        self.parked.switch(self, sequence, self.new_kv)
 
     def release(self, sequence: str) -> None:
         """Let conversation `sequence` go (the running one: to no tokens), its memory to the system."""
