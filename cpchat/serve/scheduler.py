@@ -50,7 +50,7 @@ class Scheduler:
         self.batch = Batch(session)
         self.waiting: deque[Request] = deque()
         self.readings: deque[tuple[Request, Reading]] = deque()  # prompts partly read, the next first
-        self._requests: dict[int, Request] = {}  # by id(answer): the batch's
+        self._requests: dict[Answer, Request] = {}  # the batch's
         self._changed = threading.Condition()
         self._stopping = False
         self._full_at: int | None = None  # the next request did not fit beside so many: it waits for fewer
@@ -143,11 +143,11 @@ class Scheduler:
             request.end()
         else:
             self.batch.add(answer)
-            self._requests[id(answer)] = request
+            self._requests[answer] = request
 
     def _leave_cancelled(self) -> None:
         for answer in list(self.batch.answers):
-            request = self._requests[id(answer)]
+            request = self._requests[answer]
             if request.cancelled.is_set():
                 self._ended(answer, self.batch.cancel(answer))
 
@@ -158,7 +158,7 @@ class Scheduler:
             events = self.batch.step()
         except BaseException as e:  # noqa: BLE001 - a rank failed: every answer in the batch with it
             for answer in answers:
-                request = self._requests.pop(id(answer))
+                request = self._requests.pop(answer)
                 request.put(e)
                 request.end()
             return
@@ -166,10 +166,10 @@ class Scheduler:
             if isinstance(event, Done):
                 self._ended(answer, event)
             else:
-                self._requests[id(answer)].put(event)
+                self._requests[answer].put(event)
 
     def _ended(self, answer: Answer, done: Done) -> None:
-        request = self._requests.pop(id(answer))
+        request = self._requests.pop(answer)
         request.put(done)
         request.end()
 
