@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 
 import pytest
@@ -16,14 +17,17 @@ from pilot import RANKS, SIZE, attach_with_question, ready, until
 from rankprocs import loaded_ring, start_ranks
 
 from cpchat.client.cluster import Cluster
+from cpchat.client.events import Token
 from cpchat.client.held import HeldConversations
 from cpchat.client.memory import MemoryShortfall, StageSplit, shortfall
 from cpchat.client.plan import make_plan, plan_lines
+from cpchat.client.session import SamplingOptions
 from cpchat.client.settings import Settings
 from cpchat.core.heuristics import Workload
 from cpchat.core.memory import ForwardMemory, kv_bytes_per_token, prefill_needs, tokens_per_rank
 from cpchat.core.quantized_kv import KVFormat
 from cpchat.rank.memory import host_available, memory_groups
+from cpchat.serve.scheduler import Scheduler
 from cpchat.tui.app import CpchatApp
 from cpchat.tui.screens import MemoryBudget
 from cpchat.tui.widgets import ChatInput
@@ -390,3 +394,69 @@ def test_with_kv_bits_the_new_keys_and_values_are_held_packed():
     assert packed.forward_bytes == full.forward_bytes
     early = prefill_needs(replace(q4, kv_format=KVFormat(4, 64, 20_000)), "pass_kv", FORWARD, [0, 0])[0]
     assert early.kv_bytes == full.kv_bytes
+
+
+class Asked:
+    """A request as `cpchat serve`'s scheduler runs it (the server's is bound to its event loop): what
+    it was told, as it was told it."""
+
+    def __init__(self, tokens: list[int], max_tokens: int) -> None:
+        self.tokens, self.max_tokens = tokens, max_tokens
+        self.cancelled, self.admitted, self.ended = threading.Event(), threading.Event(), threading.Event()
+        self.refusal: BaseException | None = None
+        self.tokens_out: list[int] = []
+        self.changed = threading.Condition()
+
+    def prepare(self, session) -> None:
+        session.sampling = SamplingOptions(self.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def admit(self, error: BaseException | None = None) -> None:
+        if not self.admitted.is_set():
+            self.refusal = error
+            self.admitted.set()
+
+    def put(self, item) -> None:
+        with self.changed:
+            if isinstance(item, Token):
+                self.tokens_out.append(item.id)
+            self.changed.notify_all()
+
+    def end(self) -> None:
+        self.ended.set()
+
+    def wait_for_tokens(self, count: int) -> None:
+        with self.changed:
+            assert self.changed.wait_for(lambda: len(self.tokens_out) >= count, timeout=120), self.tokens_out
+
+
+def test_a_request_that_fits_only_without_the_answers_under_way_waits_for_them(limited, model_dir):
+    """The scheduler counts the tokens an answer under way may still add: a prompt that fits alone but
+    not beside it waits (not refused) while it decodes, and runs once it has left the batch."""
+    limited.reset(0)
+    path = model_dir("llama")
+    session = raw_session(limited, path, "pass_kv", max_tokens=4)
+    session.conversations = HeldConversations(limit=8)
+    low, high = 4, 1 << 24  # the longest answer an 8-token prompt may ask for
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if session.prompt_shortfall([7] * 8, middle) is None else (low, middle)
+    answer = low * 95 // 100  # and a little less
+    length = 256  # a prompt that fits alone but not beside that answer
+    while session.prompt_shortfall([7] * length, 4 + answer) is None:
+        length *= 2
+    second = random_prompt(path, length, seed=4)
+    assert session.prompt_shortfall(second, 4) is None
+    scheduler = Scheduler(session, max_batch=4, ranks_answer=lambda: None)
+    try:
+        first, waiting = Asked([7] * 8, answer), Asked(second, 4)
+        scheduler.submit(first)
+        first.wait_for_tokens(2)
+        scheduler.submit(waiting)
+        seen = len(first.tokens_out)
+        first.wait_for_tokens(seen + 5)  # the first decodes on, the second waits
+        assert not waiting.admitted.is_set() and list(scheduler.waiting) == [waiting]
+        scheduler.cancel(first)
+        assert first.ended.wait(120) and waiting.ended.wait(120)
+        assert waiting.refusal is None and len(waiting.tokens_out) == 4
+    finally:
+        scheduler.stop()
