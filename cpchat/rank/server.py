@@ -177,6 +177,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             tokens = self.s.on_mlx(batch_step.run, self.s.engine, request, self.s.ring, abort)
         except (RingBroken, Aborted) as e:
             context.abort(grpc.StatusCode.ABORTED, str(e))
+        except Exception as e:  # noqa: BLE001 - named to the front end, as a Generate's are
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
         finally:
             self.s.end()
         return pb.StepReply(tokens=tokens)
