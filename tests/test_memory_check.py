@@ -312,7 +312,8 @@ async def test_the_tui_says_why_a_prompt_is_not_sent(limited, model_dir, tmp_pat
         await attach_with_question(pilot, doc, "What is it about?")
         app.query_one(ChatInput).focus()
         await pilot.press("enter")
-        await until(pilot, lambda: isinstance(app.screen, MemoryBudget), what="the memory dialog")
+        await until(pilot, lambda: isinstance(app.screen, MemoryBudget) and app.screen.query("Label"),
+                    what="the memory dialog, composed")
         dialog = app.screen
         text = " ".join(str(label.render()) for label in dialog.query("Label"))
         assert re.search(r"needs [\d.]+ \w+ on rank [01] \(127\.0\.0\.1:\d+\), which has", text), text

@@ -455,7 +455,8 @@ async def test_a_prompt_past_the_context_asks_first(clusters, tmp_path_factory, 
                 await attach_with_question(pilot, doc, "What is it about?")
             app.query_one(ChatInput).focus()
             await pilot.press("enter")
-            await until(pilot, lambda: isinstance(app.screen, ContextBudget), what="the budget dialog")
+            await until(pilot, lambda: isinstance(app.screen, ContextBudget)
+                        and app.screen.query("#budget-numbers"), what="the budget dialog, composed")
             return app.screen
 
         dialog = await ask()
