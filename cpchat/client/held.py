@@ -56,8 +56,7 @@ class HeldConversations:
 
     def continued(self, full: list[int]) -> tuple[Held | None, int]:
         """The held conversation `full` continues (None: a new one), and the tokens it keeps."""
-        free = [h for h in self.by_name.values() if h.name not in self.busy]
-        free = free if self.by_name else [self.current]
+        free = self._idle if self.by_name else [self.current]
         if not free:
             return None, 0
         keep, _, held = max(((h.kept(full), h is self.current, h) for h in free), key=lambda k: k[:2])
@@ -93,7 +92,7 @@ class HeldConversations:
 
     def least_recent(self, besides: Held | None) -> Held | None:
         """The least recently used conversation but `besides` (the memory check lets it go)."""
-        others = [h for h in self.by_name.values() if h is not besides and h.name not in self.busy]
+        others = [h for h in self._idle if h is not besides]
         return min(others, key=lambda h: h.used, default=None)
 
     def let_go(self, name: str) -> None:
@@ -107,13 +106,17 @@ class HeldConversations:
     def tokens(self) -> int:
         return sum(len(h.tokens) for h in self.by_name.values())
 
+    @property
+    def _idle(self) -> list[Held]:
+        """The conversations held that no answer in a batch runs."""
+        return [h for h in self.by_name.values() if h.name not in self.busy]
+
     def _rank_totals(self) -> list[int]:
         held = [h.rank_bytes for h in self.by_name.values()]
         return [sum(b) for b in itertools.zip_longest(*held, fillvalue=0)] or [0]
 
     def _let_go_least_recent(self, count: int, keep: Held | None) -> list[str]:
-        order = sorted((h for h in self.by_name.values() if h is not keep and h.name not in self.busy),
-                       key=lambda h: h.used)
+        order = sorted((h for h in self._idle if h is not keep), key=lambda h: h.used)
         names = [h.name for h in order[:max(count, 0)]]
         for name in names:
             self.let_go(name)

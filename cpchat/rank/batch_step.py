@@ -24,7 +24,7 @@ from cpchat.core.sharding import decode_owner
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.algorithms.decode import packed, unpacked
 from cpchat.rank.context_parallel import LAZY_DECODE_SCORES, Partial, ShardCache, empty_partial
-from cpchat.rank.engine import BadRequest
+from cpchat.rank.engine import BadRequest, check_shares
 from cpchat.rank.fit import UnsupportedModel
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.model_load import ModelShape
@@ -79,8 +79,7 @@ def check(engine: Holds, req: pb.StepRequest, ranks: int) -> None:
         if held.unread != (held.total_tokens, row.token):
             raise BadRequest(f"conversation {row.sequence!r} reads token {held.unread[1]} next, "
                              f"not {row.token}")
-        if row.shares and (len(row.shares) != ranks or min(row.shares) < 1):
-            raise BadRequest(f"{ranks} ranks need {ranks} positive shares, got {list(row.shares)}")
+        check_shares(row.shares, ranks)
 
 
 def run(engine: Holds, req: pb.StepRequest, ring: Ring, abort: threading.Event) -> list[pb.TokenEvent]:

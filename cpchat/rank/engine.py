@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -43,6 +43,12 @@ from cpchat.rank.transport.ring import Ring
 
 class BadRequest(ValueError):
     pass
+
+
+def check_shares(shares: Sequence[int], ranks: int) -> None:
+    """Refuse shares (a request's, or a batched step's row's) that a ring of `ranks` cannot take."""
+    if shares and (len(shares) != ranks or min(shares) < 1):
+        raise BadRequest(f"{ranks} ranks need {ranks} positive shares, got {list(shares)}")
 
 
 def _shares(req: pb.GenerateRequest) -> Shares | None:
@@ -256,8 +262,7 @@ class Engine:
         if step in RANK_0_ALONE and self.info.linear:
             raise BadRequest(f"{self.info.model_type}'s linear layers keep a state that every rank advances "
                              f"with every token: a {step} decode step, run by rank 0 alone, cannot serve it")
-        if req.shares and (len(req.shares) != ranks or min(req.shares) < 1):
-            raise BadRequest(f"{ranks} ranks need {ranks} positive shares, got {list(req.shares)}")
+        check_shares(req.shares, ranks)
         bad = [t for t in req.tokens if t >= self.info.vocab_size]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")

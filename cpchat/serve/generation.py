@@ -119,7 +119,7 @@ class Generation:
     until the ranks are done with it."""
 
     def __init__(self, tokens: list[int], params: GenerationParams) -> None:
-        self.tokens, self.params, self.max_tokens = tokens, params, params.max_tokens
+        self.tokens, self.params = tokens, params
         self.outcome = Outcome(prompt_tokens=len(tokens))
         self.stop = StopText(params.stop)
         self.finished = False  # the ranks ended the answer (or a stop string did), not a client
@@ -132,6 +132,10 @@ class Generation:
         self._admitted = False
 
     # ---- the scheduler's side (its thread)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
 
     def prepare(self, session: Session) -> None:
         p = self.params
