@@ -27,14 +27,14 @@ async def until(pilot: Pilot, condition: Callable[[], object], timeout: float = 
 
 
 async def click(pilot: Pilot, widget: Widget) -> None:
-    """Click a widget once it is laid out where the click lands (a chip just mounted, or moved up by the
-    removal of the one before it, has no place yet or a stale one)."""
+    """Click a widget once it is laid out where the click lands (a chip or a dialog's button just mounted,
+    or one moved up by the removal of the one before it, has no place yet or a stale one)."""
     def placed() -> bool:
         region = widget.region
         return bool(region) and pilot.app.get_widget_at(region.x, region.y)[0] is widget
 
     await until(pilot, placed, what=f"{widget} laid out")
-    await pilot.click(widget)
+    assert await pilot.click(widget), f"the click missed {widget}"
 
 
 async def run_palette(pilot: Pilot, title: str) -> None:

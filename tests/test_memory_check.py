@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 from helpers import next_turn, random_prompt, raw_session
-from pilot import RANKS, SIZE, attach_with_question, ready, until
+from pilot import RANKS, SIZE, attach_with_question, click, ready, until
 from rankprocs import loaded_ring, start_ranks
 
 from cpchat.client.cluster import Cluster
@@ -318,7 +318,7 @@ async def test_the_tui_says_why_a_prompt_is_not_sent(limited, model_dir, tmp_pat
         text = " ".join(str(label.render()) for label in dialog.query("Label"))
         assert re.search(r"needs [\d.]+ \w+ on rank [01] \(127\.0\.0\.1:\d+\), which has", text), text
         assert not dialog.query("#send"), "no sending anyway past a rank's memory"
-        await pilot.click("#remove-0")
+        await click(pilot, dialog.query_one("#remove-0"))
         await until(pilot, lambda: app.chat.turns_done == 1 and not app.chat.busy, what="the turn without it")
         assert app.chat.backend.session.messages[0].docs == []
 

@@ -461,17 +461,17 @@ async def test_a_prompt_past_the_context_asks_first(clusters, tmp_path_factory, 
 
         dialog = await ask()
         assert "the model's context is 160" in str(dialog.query_one("#budget-numbers", Label).render())
-        await pilot.click("#back")
+        await click(pilot, app.screen.query_one("#back"))
         await pilot.pause()
         assert app.chat.turns_done == 0 and len(chips(app)) == 1
         assert app.query_one(ChatInput).text == "What is it about?"
         await ask(attach=False)
-        await pilot.click("#remove-0")
+        await click(pilot, app.screen.query_one("#remove-0"))
         chat = app.chat
         await until(pilot, lambda: chat.turns_done == 1 and not chat.busy, what="the turn, no document")
         assert app.chat.backend.session.messages[0].docs == [] and not chips(app)
         await ask()
-        await pilot.click("#send")
+        await click(pilot, app.screen.query_one("#send"))
         await until(pilot, lambda: chat.turns_done == 2 and not chat.busy, what="the turn sent anyway")
         assert app.chat.backend.session.messages[2].docs == ["long.txt"]
         assert not any(n.severity == "error" for n in app._notifications)
