@@ -286,13 +286,15 @@ def test_conversations_return_from_memory_within_the_budget_and_from_disk_past_i
         assert s.process.wait(timeout=60) == 0, "".join(s.lines)
 
 
-@pytest.mark.parametrize("demo, ranks, kv", [(False, 2, FULL_PRECISION), (True, 1, KVFormat(4, 32, 40))])
-def test_concurrent_answers_decode_together_each_as_mlx_lm_alone(model, demo, ranks, kv):
+@pytest.mark.parametrize("which, ranks, kv", [("llama", 2, FULL_PRECISION), ("demo", 1, KVFormat(4, 32, 40)),
+                                              ("qwen3_next", 2, FULL_PRECISION)])
+def test_concurrent_answers_decode_together_each_as_mlx_lm_alone(model_dir, which, ranks, kv):
     """Six clients at once (prompts of different lengths, answers that end at different steps) while a
     seventh streams a long answer and goes away mid-stream: each answer is mlx-lm's for its prompt
-    alone, token for token and logprob for logprob (with 4-bit K/V, mlx-lm's own kv_bits run's), the
-    one that went away as far as it got; and the ranks stepped them together."""
-    model = DEMO_MODEL if demo else model
+    alone, token for token and logprob for logprob (with 4-bit K/V, mlx-lm's own kv_bits run's; a
+    hybrid's linear layers too), the one that went away as far as it got; and the ranks stepped them
+    together."""
+    model = DEMO_MODEL if which == "demo" else model_dir(which)
     args = ["--model", str(model), "--ranks", str(ranks), "--api-key", KEY, "--no-cache", "--max-batch", "8"]
     if kv.quantized:
         args += ["--kv-bits", str(kv.bits), "--kv-group-size", str(kv.group_size),

@@ -5,7 +5,8 @@ The model's own __call__ runs on the B rows, so its weight products read the wei
 batch (where a memory-bound decode gains). Each row attends over its own conversation's keys on every
 rank, and one exchange a layer carries the batch's partials, merged in rank order on every rank as an
 exchange step's are (cpchat.rank.algorithms.decode). One rank keeps each row's new K/V (round robin by
-position, in the row's shares). The rank that samples shares the batch's tokens with the others at
+position, in the row's shares); linear layers run each row from its conversation's state, on every
+rank. The rank that samples shares the batch's tokens with the others at
 the end, so every rank knows each conversation's unread token as after a Generate.
 """
 
@@ -27,9 +28,11 @@ from cpchat.rank.context_parallel import LAZY_DECODE_SCORES, Partial, ShardCache
 from cpchat.rank.engine import BadRequest, check_shares
 from cpchat.rank.fit import UnsupportedModel
 from cpchat.rank.kvstore import KVShard
+from cpchat.rank.linear_layers import Recurrence, StateCache, decode_halo_rows, decode_recurrence
 from cpchat.rank.model_load import ModelShape
 from cpchat.rank.sampling import sample, token_event
 from cpchat.rank.sequences import Parked, Sequence
+from cpchat.rank.statestore import StateStore
 from cpchat.rank.transport.ring import Ring
 from cpchat.rank.transport.wire import BlockKey
 
@@ -64,9 +67,6 @@ def check(engine: Holds, req: pb.StepRequest, ranks: int) -> None:
     info = engine.info
     if info.place.stages > 1:
         raise BadRequest("a batched decode step runs one pipeline stage; stages run a request at a time")
-    if info.linear:
-        raise BadRequest(f"{info.model_type}'s linear layers keep a state per conversation that a batched "
-                      "decode step does not carry: its requests run one at a time")
     if not req.rows:
         raise BadRequest("the step has no rows")
     names = [row.sequence for row in req.rows]
@@ -95,8 +95,10 @@ def run(engine: Holds, req: pb.StepRequest, ring: Ring, abort: threading.Event) 
         if row.keeper == ring.rank:
             row.sequence.kv.begin_append(np.array([row.position]))
     batch = BatchPass(req.step_id, ring, abort, rows, [layer.window for layer in engine.info.layers])
+    states = [dict(row.sequence.states.layers) for row in rows]
     try:
-        caches = [BatchCache(batch, i) for i in range(engine.info.num_layers)]
+        caches = [BatchStateCache(batch, i) if i in engine.info.linear else BatchCache(batch, i)
+                  for i in range(engine.info.num_layers)]
         logits = engine.model(mx.array([[row.token] for row in rows]), cache=caches)[:, 0]
         mx.eval(logits)
         for row in rows:
@@ -104,8 +106,9 @@ def run(engine: Holds, req: pb.StepRequest, ring: Ring, abort: threading.Event) 
                 row.sequence.kv.commit()
         events = _sample_and_share(req, ring, abort, logits)
     except BaseException:
-        for row in rows:
+        for row, before in zip(rows, states):
             row.sequence.kv.truncate(row.position)
+            row.sequence.states.layers = before
         raise
     finally:
         ring.mailbox.forget(req.step_id)
@@ -187,3 +190,17 @@ class BatchCache(ShardCache):
     def offset(self) -> mx.array:
         return self.ring_pass.offsets
 
+
+class BatchStateCache(StateCache):
+    """The cache object a linear layer sees in a batched step: row b continues conversation b's state
+    and halo (every rank advances them all, as in a decode step)."""
+
+    def halo_rows(self, x: mx.array, halo: int) -> tuple[mx.array, mx.array]:
+        return decode_halo_rows(self._stores, self.layer, x, halo)
+
+    def recurrence(self, name: str, original, spec: Recurrence, args: dict, halo: int):
+        return decode_recurrence(self._stores, self.layer, original, spec, args, halo)
+
+    @property
+    def _stores(self) -> list[StateStore]:
+        return [row.sequence.states for row in self.ring_pass.rows]

@@ -45,6 +45,7 @@ from cpchat.rank.transport.wire import BlockKey, block_nbytes
 
 if TYPE_CHECKING:
     from cpchat.rank.context_parallel import RingPass
+    from cpchat.rank.statestore import StateStore
 
 
 # A linear layer's ring steps in prefill: the halo exchange, its chunks' own runs, and the state combine.
@@ -127,6 +128,12 @@ class StateCache:
     def make_mask(self, *args, **kwargs) -> None:
         return None
 
+    def halo_rows(self, x: mx.array, halo: int) -> tuple[mx.array, mx.array]:
+        return halo_rows(self.ring_pass, self.layer, x, halo)
+
+    def recurrence(self, name: str, original, spec: Recurrence, args: dict, halo: int):
+        return run_recurrence(self.ring_pass, self.layer, name, original, spec, args, halo)
+
 
 class HaloMixer:
     """Mixed into a linear layer's module: runs it over [halo, row] with the halo masked where it
@@ -139,7 +146,7 @@ class HaloMixer:
             return super().__call__(*args, **kwargs)
         first = next(iter(bound.arguments))
         halo = _kernel(self) - 1
-        x, mask = halo_rows(cache.ring_pass, cache.layer, bound.arguments[first], halo)
+        x, mask = cache.halo_rows(bound.arguments[first], halo)
         bound.arguments[first], bound.arguments["mask"] = x, mask
         token = _active.set(_Call(cache, halo))
         try:
@@ -207,9 +214,8 @@ def _hook(name: str, original):
         call = _active.get()
         if call is None:
             return original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        return run_recurrence(call.cache.ring_pass, call.cache.layer, name, original, spec, bound.arguments,
-                              call.halo)
+        arguments = signature.bind(*args, **kwargs).arguments
+        return call.cache.recurrence(name, original, spec, arguments, call.halo)
 
     recurrence.__wrapped__ = original
     return recurrence
@@ -221,13 +227,10 @@ def _hook(name: str, original):
 def halo_rows(rp: RingPass, layer: int, x: mx.array, halo: int) -> tuple[mx.array, mx.array]:
     """`x` [R, T, D] with each row's halo in front, and the mask of positions that exist [R, halo+T];
     stores the inputs at the last `halo` positions for the next forward."""
+    if rp.decoding:
+        return decode_halo_rows([rp.states], layer, x, halo)
     stored = rp.states.layer(layer, halo, x)
     rows, length, dim = x.shape
-    if rp.decoding:
-        ext = mx.concatenate([stored.halo, x], axis=1)
-        real = np.concatenate([stored.halo_real, np.ones(length, bool)])
-        rp.states.set(layer, halo=ext[:, ext.shape[1] - halo:], halo_real=real[len(real) - halo:])
-        return ext, mx.array(real[None])
     timing = rp.step_timing(layer, HALO_STEP)
     start, end = rp.start, rp.start + rp.seq_len
     positions = rp.q_positions.reshape(rows, length)
@@ -248,6 +251,21 @@ def halo_rows(rp: RingPass, layer: int, x: mx.array, halo: int) -> tuple[mx.arra
     mask = np.array([[real(p) for p in ps] for ps in wanted[:-1]], bool).reshape(rows, halo)
     ext = mx.concatenate([mx.stack(halos[:-1]), x], axis=1)
     return ext, mx.array(np.concatenate([mask, rp.real.reshape(rows, length)], axis=1))
+
+
+def decode_halo_rows(stores: list[StateStore], layer: int, x: mx.array,
+                     halo: int) -> tuple[mx.array, mx.array]:
+    """Decode: row b of `x` [B, T, D] after conversation b's stored halo (`stores[b]`), and the mask of
+    the positions that exist; stores each conversation's new halo."""
+    rows, masks = [], []
+    for b, store in enumerate(stores):
+        stored = store.layer(layer, halo, x)
+        ext = mx.concatenate([stored.halo, x[b:b + 1]], axis=1)
+        real = np.concatenate([stored.halo_real, np.ones(x.shape[1], bool)])
+        store.set(layer, halo=ext[:, ext.shape[1] - halo:], halo_real=real[len(real) - halo:])
+        rows.append(ext)
+        masks.append(real)
+    return (rows[0] if len(rows) == 1 else mx.concatenate(rows)), mx.array(np.stack(masks))
 
 
 @dataclass(frozen=True)
@@ -303,16 +321,13 @@ def _gather_halo(rp: RingPass, layer: int, flat: mx.array, halo: int, timing) ->
 def run_recurrence(rp: RingPass, layer: int, name: str, original, spec: Recurrence, args: dict, halo: int):
     """The layer's recurrence over this rank's rows (the halo positions skipped), as over one sequence."""
     rp.recurrences.append((layer, name))
+    if rp.decoding:
+        return decode_recurrence([rp.states], layer, original, spec, args, halo)
     value = args[spec.value]
     rows, total = value.shape[:2]
     args = _per_token(args, rows, total, lambda a: a[:, halo:])
     args[spec.mask] = None  # positions past the prompt are cut off each row instead
     stored = rp.states.layers[layer]
-    if rp.decoding:
-        y, state = original(**{**args, spec.state: stored.state})
-        rp.states.set(layer, state=state)
-        return _pad_front(y, halo), state
-
     timing = rp.step_timing(layer, RUN_STEP)
     t0 = time.perf_counter()
     length = total - halo
@@ -349,6 +364,20 @@ def run_recurrence(rp: RingPass, layer: int, name: str, original, spec: Recurren
     if rp.on_layer is not None:
         rp.on_layer(layer)
     return y, final
+
+
+def decode_recurrence(stores: list[StateStore], layer: int, original, spec: Recurrence, args: dict,
+                      halo: int):
+    """Decode: row b's new tokens from conversation b's stored state (`stores[b]`), in one run of the
+    recurrence, as mlx-lm runs a batch; stores each conversation's new state."""
+    value = args[spec.value]
+    args = _per_token(args, *value.shape[:2], lambda a: a[:, halo:])
+    args[spec.mask] = None  # the halo is cut off instead
+    states = [store.layers[layer].state for store in stores]
+    y, state = original(**{**args, spec.state: states[0] if len(states) == 1 else mx.concatenate(states)})
+    for b, store in enumerate(stores):
+        store.set(layer, state=state[b:b + 1])
+    return _pad_front(y, halo), state
 
 
 def _per_token(args: dict, rows: int, length: int, cut) -> dict:

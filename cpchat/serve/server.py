@@ -359,10 +359,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 def batch_size(asked: int, cluster: Cluster) -> int:
     """--max-batch, or 1 where a batched step cannot run (it says why)."""
-    why = ("its linear layers keep a state per conversation" if cluster.model.state_layers else
-           "pipeline stages run one request at a time" if cluster.stages > 1 else "")
-    if asked > 1 and why:
-        say(f"answers decode one at a time: {why}")
+    if asked > 1 and cluster.stages > 1:
+        say("answers decode one at a time: pipeline stages run one request at a time")
         return 1
     return asked
 
