@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -149,3 +150,39 @@ def one_line_error(result: subprocess.CompletedProcess, code: int, words: str) -
 
 def events(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines()]
+
+
+class Asked:
+    """A request as `cpchat serve`'s scheduler runs it (the server's is bound to its event loop): what
+    it was told, as it was told it."""
+
+    def __init__(self, tokens: list[int], max_tokens: int, log: list | None = None) -> None:
+        self.tokens, self.max_tokens = tokens, max_tokens
+        self.log = log  # (request, event) of every request that shares it, in the order they came
+        self.cancelled, self.admitted, self.ended = threading.Event(), threading.Event(), threading.Event()
+        self.refusal: BaseException | None = None
+        self.tokens_out: list[int] = []
+        self.changed = threading.Condition()
+
+    def prepare(self, session) -> None:
+        session.sampling = SamplingOptions(self.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def admit(self, error: BaseException | None = None) -> None:
+        if not self.admitted.is_set():
+            self.refusal = error
+            self.admitted.set()
+
+    def put(self, item) -> None:
+        if self.log is not None:
+            self.log.append((self, item))
+        with self.changed:
+            if isinstance(item, Token):
+                self.tokens_out.append(item.id)
+            self.changed.notify_all()
+
+    def end(self) -> None:
+        self.ended.set()
+
+    def wait_for_tokens(self, count: int) -> None:
+        with self.changed:
+            assert self.changed.wait_for(lambda: len(self.tokens_out) >= count, timeout=120), self.tokens_out

@@ -8,20 +8,17 @@ import os
 import re
 import subprocess
 import sys
-import threading
 from dataclasses import replace
 
 import pytest
-from helpers import next_turn, random_prompt, raw_session
+from helpers import Asked, next_turn, random_prompt, raw_session
 from pilot import RANKS, SIZE, attach_with_question, click, ready, until
 from rankprocs import loaded_ring, start_ranks
 
 from cpchat.client.cluster import Cluster
-from cpchat.client.events import Token
 from cpchat.client.held import HeldConversations
 from cpchat.client.memory import MemoryShortfall, StageSplit, shortfall
 from cpchat.client.plan import make_plan, plan_lines
-from cpchat.client.session import SamplingOptions
 from cpchat.client.settings import Settings
 from cpchat.core.heuristics import Workload
 from cpchat.core.memory import ForwardMemory, kv_bytes_per_token, prefill_needs, tokens_per_rank
@@ -395,39 +392,6 @@ def test_with_kv_bits_the_new_keys_and_values_are_held_packed():
     assert packed.forward_bytes == full.forward_bytes
     early = prefill_needs(replace(q4, kv_format=KVFormat(4, 64, 20_000)), "pass_kv", FORWARD, [0, 0])[0]
     assert early.kv_bytes == full.kv_bytes
-
-
-class Asked:
-    """A request as `cpchat serve`'s scheduler runs it (the server's is bound to its event loop): what
-    it was told, as it was told it."""
-
-    def __init__(self, tokens: list[int], max_tokens: int) -> None:
-        self.tokens, self.max_tokens = tokens, max_tokens
-        self.cancelled, self.admitted, self.ended = threading.Event(), threading.Event(), threading.Event()
-        self.refusal: BaseException | None = None
-        self.tokens_out: list[int] = []
-        self.changed = threading.Condition()
-
-    def prepare(self, session) -> None:
-        session.sampling = SamplingOptions(self.max_tokens, temperature=0.0, ignore_eos=True)
-
-    def admit(self, error: BaseException | None = None) -> None:
-        if not self.admitted.is_set():
-            self.refusal = error
-            self.admitted.set()
-
-    def put(self, item) -> None:
-        with self.changed:
-            if isinstance(item, Token):
-                self.tokens_out.append(item.id)
-            self.changed.notify_all()
-
-    def end(self) -> None:
-        self.ended.set()
-
-    def wait_for_tokens(self, count: int) -> None:
-        with self.changed:
-            assert self.changed.wait_for(lambda: len(self.tokens_out) >= count, timeout=120), self.tokens_out
 
 
 def test_a_request_that_fits_only_without_the_answers_under_way_waits_for_them(limited, model_dir):

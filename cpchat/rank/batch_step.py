@@ -6,8 +6,8 @@ batch (where a memory-bound decode gains). Each row attends over its own convers
 rank, and one exchange a layer carries the batch's partials, merged in rank order on every rank as an
 exchange step's are (cpchat.rank.algorithms.decode). One rank keeps each row's new K/V (round robin by
 position, in the row's shares); linear layers run each row from its conversation's state, on every
-rank. The rank that samples shares the batch's tokens with the others at
-the end, so every rank knows each conversation's unread token as after a Generate.
+rank. The rank that samples shares the batch's tokens with the others at the end, so every rank
+knows each conversation's unread token as after a Generate.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """A request's prompt read in chunks (--prefill-chunk), so that the answers under way step on between
-one chunk and the next, and a short request that comes meanwhile is read before the long one's rest.
+one chunk and the next, and a short request that comes meanwhile is read before the long one's rest
+(cpchat.serve.scheduler reads the prompt with the fewest tokens left first).
 
 Each chunk is a prefill of the prompt so far, continuing the conversation the last one left (as a
 later turn continues one: exact). Chunks end every `chunk` tokens from where the kept tokens end, a
@@ -51,9 +52,14 @@ class Reading:
         self.chunk_started = self.started
 
     @property
+    def unread(self) -> int:
+        """Tokens of the prompt the ranks have not read yet."""
+        return len(self.tokens) - self.read
+
+    @property
     def tokens_to_come(self) -> int:
         """Tokens its prompt's chunks not read yet and its answer may add to the ranks' K/V."""
-        return len(self.tokens) - self.read + self.max_tokens
+        return self.unread + self.max_tokens
 
     def next(self) -> tuple[bool, Answer | None]:
         """Read the next chunk: whether the prompt is read, and then the answer to decode on (if any)."""

@@ -1,7 +1,9 @@
 """The ranks' one thread in `cpchat serve`: requests start in the order they came, up to --max-batch at
-once. Their prompts are read a chunk at a time (--prefill-chunk; a newly started one first), and the
-answers under way decode together, a step for all of them after each chunk, so a long prompt holds
-the others' streams for one chunk, and a short request that comes meanwhile waits for one chunk too.
+once. Their prompts are read a chunk at a time (--prefill-chunk), the one with the fewest tokens left
+to read first (the earliest among equals), and the answers under way decode together, a step for all
+of them after each chunk: a long prompt holds the others' streams for one chunk, a short request that
+comes meanwhile waits for one chunk too, and prompts of one length are read one after another, each
+answer starting as soon as its own prompt is read.
 With a batch of one each answer runs whole, in turn (a rank's own decode loop).
 
 Only this thread talks to the ranks for the requests; the event loop hands it requests and takes
@@ -49,7 +51,7 @@ class Scheduler:
         self.on_step = on_step  # told how many answers each batched step advances
         self.batch = Batch(session)
         self.waiting: deque[Request] = deque()
-        self.readings: deque[tuple[Request, Reading]] = deque()  # prompts partly read, the next first
+        self.readings: list[tuple[Request, Reading]] = []  # prompts partly read, in the order they started
         self._requests: dict[Answer, Request] = {}  # the batch's
         self._changed = threading.Condition()
         self._stopping = False
@@ -125,20 +127,24 @@ class Scheduler:
             request.end()
             return
         request.admit()
-        self.readings.appendleft((request, reading))  # a short prompt goes before a long one's rest
+        self.readings.append((request, reading))
 
     def _read_chunk(self) -> None:
-        request, reading = self.readings.popleft()
+        """A chunk of the prompt with the fewest tokens left to read (the mean time to a first token is
+        the shortest so)."""
+        request, reading = entry = min(self.readings, key=lambda entry: entry[1].unread)
         try:
             read, answer = reading.next()
         except BaseException as e:  # noqa: BLE001 - the request's to raise
+            self.readings.remove(entry)
             reading.abandon()
             request.put(e)
             request.end()
             return
-        if not read and not request.cancelled.is_set():
-            self.readings.append((request, reading))
-        elif answer is None:
+        if not read:
+            return  # on at the next chunk, or dropped (`_leave_cancelled`)
+        self.readings.remove(entry)
+        if answer is None:
             reading.abandon()
             request.end()
         else:
@@ -146,6 +152,10 @@ class Scheduler:
             self._requests[answer] = request
 
     def _leave_cancelled(self) -> None:
+        for entry in [e for e in self.readings if e[0].cancelled.is_set()]:
+            self.readings.remove(entry)
+            entry[1].abandon()
+            entry[0].end()
         for answer in list(self.batch.answers):
             request = self._requests[answer]
             if request.cancelled.is_set():
