@@ -86,6 +86,8 @@ def partial_attention(
     kp = _positions(k_pos, Lk, "k_pos")
     if xp is None:
         xp = np if mx.default_device() == mx.cpu else mx
+    if xp is np and Lq == 1 and Hq * Lk <= tile * tile:
+        return _one_query(q, k, v, int(qp[0]), kp, scale, window)
     qg, kt, vf = (a.astype(mx.float32) for a in (q, k.swapaxes(-1, -2), v))
     if xp is np:
         qg, kt, vf = np.asarray(qg), np.asarray(kt), np.asarray(vf)  # views of MLX's buffers
@@ -111,6 +113,28 @@ def partial_attention(
     out = outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=3)
     lse = lses[0] if len(lses) == 1 else xp.concatenate(lses, axis=3)
     return mx.array(out.reshape(B, Hq, Lq, Dv)), mx.array(lse.reshape(B, Hq, Lq))
+
+
+def _one_query(q: mx.array, k: mx.array, v: mx.array, q_pos: int, k_pos: np.ndarray, scale: float,
+               window: int | None) -> tuple[mx.array, mx.array]:
+    """`partial_attention` of one query position (a decode step's) in numpy, every score at once: none
+    of the tiles' fixed costs (6 heads over 2,048 keys: 0.13 ms a layer against 0.43)."""
+    B, Hq, _, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[3]
+    qn = np.asarray(q.astype(mx.float32)).reshape(B, Hkv, Hq // Hkv, D) * scale
+    kn, vn = np.asarray(k.astype(mx.float32)), np.asarray(v.astype(mx.float32))
+    s = qn @ kn.swapaxes(-1, -2)  # [B, Hkv, groups, Lk]
+    delta = q_pos - k_pos
+    visible = (delta >= 0) if window is None else (delta >= 0) & (delta < window)
+    if not visible.any():
+        return mx.zeros((B, Hq, 1, Dv), mx.float32), mx.full((B, Hq, 1), _NEG_INF, mx.float32)
+    if not visible.all():
+        s = np.where(visible, s, _NEG_INF)
+    m = s.max(axis=-1, keepdims=True)
+    p = _exp_shifted(np, s, m)
+    denom = p.sum(axis=-1, keepdims=True)
+    out, lse = (p @ vn) / denom, m + np.log(denom)
+    return mx.array(out.reshape(B, Hq, 1, Dv)), mx.array(lse.reshape(B, Hq, 1))
 
 
 def attention_over_blocks(q: mx.array, blocks: list[tuple[mx.array, mx.array, np.ndarray]],
