@@ -118,7 +118,7 @@ def partial_attention(
 def _one_query(q: mx.array, k: mx.array, v: mx.array, q_pos: int, k_pos: np.ndarray, scale: float,
                window: int | None) -> tuple[mx.array, mx.array]:
     """`partial_attention` of one query position (a decode step's) in numpy, every score at once: none
-    of the tiles' fixed costs (6 heads over 2,048 keys: 0.13 ms a layer against 0.43)."""
+    of the tiles' fixed costs (6 heads over 2,048 keys: 0.2 ms a layer against the tiles' 0.43)."""
     B, Hq, _, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     qn = np.asarray(q.astype(mx.float32)).reshape(B, Hkv, Hq // Hkv, D) * scale
