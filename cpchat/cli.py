@@ -125,7 +125,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
                    help="answers decoding together, a step for all at once (default 8; fewer where the "
                         "memory check leaves no room for another). 1: each answer whole, in turn, with "
-                        "speculative decoding; models with linear layers and pipeline stages run 1")
+                        "speculative decoding; pipeline stages run 1")
     p.add_argument("--prefill-chunk", type=whole_number, default=2048, metavar="T",
                    help="read long prompts T tokens at a time (a multiple of 2,048), the answers under way "
                         "stepping on between chunks (default 2048; 0: each prompt whole)")

@@ -124,8 +124,7 @@ def _one_query(q: mx.array, k: mx.array, v: mx.array, q_pos: int, k_pos: np.ndar
     qn = np.asarray(q.astype(mx.float32)).reshape(B, Hkv, Hq // Hkv, D) * scale
     kn, vn = np.asarray(k.astype(mx.float32)), np.asarray(v.astype(mx.float32))
     s = qn @ kn.swapaxes(-1, -2)  # [B, Hkv, groups, Lk]
-    delta = q_pos - k_pos
-    visible = (delta >= 0) if window is None else (delta >= 0) & (delta < window)
+    visible = _visible(np, np.array([q_pos]), k_pos, window)[0]
     if not visible.any():
         return mx.zeros((B, Hq, 1, Dv), mx.float32), mx.full((B, Hq, 1), _NEG_INF, mx.float32)
     if not visible.all():
