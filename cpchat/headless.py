@@ -115,7 +115,7 @@ def run_headless(args: argparse.Namespace, options: ClusterOptions) -> int:
         assert cluster is not None
         out.event(Ready(settings.model or "demo",
                         [RankAddress(r.rank, r.address, r.blas_label, r.blas.threads, round(speed, 1),
-                                     r.stage, r.layers, r.weight_bytes)
+                                     r.stage, r.layers, r.weight_bytes, r.products, r.products_note)
                          for r, speed in zip(cluster.ranks, cluster.speeds(), strict=True)],
                         transport=cluster.transport_label, kv_bits=cluster.model.kv_format.bits,
                         shares=settings.shares, stages=cluster.stages))

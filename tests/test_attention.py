@@ -255,3 +255,26 @@ def test_fused_attention_over_keys_in_any_order_equals_one_pass(problem, window,
     expected = (p / p.sum(axis=-1, keepdims=True)) @ vn
     assert out.shape == expected.shape and out.dtype == q.dtype
     assert np.abs(np.array(out) - expected).max() <= 5e-5
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("window", [None, 50])
+def test_one_query_reads_the_stored_keys_as_the_float32_product_does(monkeypatch, dtype, window):
+    """A decode step's attention by the compiled kernels, over keys and values as the K/V shard holds
+    them (a view of the head of a larger buffer, in the model's dtype), equals numpy's over float32
+    copies of them (float64 truth within float32 rounding)."""
+    import cpchat.core.attention as attention
+
+    assert attention.one_query_kernel() is not None  # a silent fallback would pass the comparison
+    q = mx.random.normal((1, 6, 1, 32))
+    k_buffer, v_buffer = (mx.random.normal((1, 2, 400, 32)).astype(dtype) for _ in range(2))
+    k, v = k_buffer[:, :, :300], v_buffer[:, :, :300]
+    positions = np.arange(300)
+    kernel = attention.partial_attention(q, k, v, [299], positions, 0.2, window=window)
+    monkeypatch.setattr(attention, "one_query_kernel", lambda: None)
+    numpy = attention.partial_attention(q, k, v, [299], positions, 0.2, window=window)
+    for a, b in zip(kernel, numpy, strict=True):
+        assert a.shape == b.shape and mx.abs(a - b).max().item() < 1e-5
+    seen = slice(None) if window is None else slice(300 - window, 300)
+    truth = reference64(q, k[:, :, seen], v[:, :, seen], 0.2)
+    assert np.abs(np.array(kernel[0]) - truth).max() < 1e-5

@@ -77,17 +77,47 @@ def float32_bytes(model) -> int:
     return 4 * sum(float32_weight(m).size for m in layers)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("form", ["bfloat16", "q4g64"])
-def test_a_rank_keeps_float32_weights_within_its_memory(clusters, checkpoint, form):
-    """A rank on the CPU decodes from float32 copies of a small model's weights, and counts them."""
-    import mlx_lm
+def stored_bytes(model) -> int:
     from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+@pytest.mark.slow
+def test_a_rank_keeps_float32_weights_within_its_memory(clusters, checkpoint):
+    """A rank on the CPU decodes a small bfloat16 model from float32 copies of its weights, and
+    counts them."""
+    import mlx_lm
+
+    path = checkpoint("bfloat16")
+    model, _ = mlx_lm.load(str(path))
+    cluster = clusters.get(2, path)
+    assert cluster.model.weight_bytes == stored_bytes(model) + float32_bytes(model)
+    assert all(r.products == {"packed": 0, "float32": 7 * len(model.layers) + 1} for r in cluster.ranks)
+
+
+@pytest.mark.parametrize("form", ["q4g32", "q8g64"])
+def test_a_rank_multiplies_quantized_weights_from_their_stored_bytes(clusters, checkpoint, form):
+    """Every quantized layer of a 4- or 8-bit checkpoint (and its tied head) multiplies from its stored
+    bytes on every rank, as the rank reports; the rank holds those bytes and no float32 copy of them
+    (MLX's own count, while it answers and at its peak), and answers as mlx-lm does."""
+    import mlx_lm
 
     path = checkpoint(form)
     model, _ = mlx_lm.load(str(path))
-    stored = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    assert clusters.get(2, path).model.weight_bytes == stored + float32_bytes(model)
+    stored, float32 = stored_bytes(model), float32_bytes(model)
+    cluster = clusters.get(2, path)
+    assert cluster.model.weight_bytes == stored
+    assert all(r.products == {"packed": 7 * len(model.layers) + 1, "float32": 0} and not r.products_note
+               for r in cluster.ranks)
+    cluster.reset(0)
+    ids, _ = question_ids(path, seed=1)
+    got, _, _ = run_raw(cluster, path, ids, "pass_kv", MAX_TOKENS)
+    assert_within_noise(path, ids, got)
+    for s in cluster.stats_once():
+        # float32 copies would hold `float32` bytes more, for good; a prefill's buffers are one layer's
+        assert s.mlx_active_bytes < stored + float32 // 3, (s.mlx_active_bytes, stored, float32)
+        assert s.mlx_peak_bytes < stored + float32, (s.mlx_peak_bytes, stored, float32)
 
 
 @pytest.mark.parametrize("form", ["bfloat16", "q4g64"])

@@ -347,7 +347,7 @@ def test_a_plan_past_a_ranks_memory_says_so(limited, model_dir):
     assert plan.refusal.startswith("rank ") and " needs " in plan.refusal
     lines = plan_lines(plan, "llama")
     assert lines[-1] == f"does not fit: {plan.refusal}"
-    fitting = make_plan(session.planner, 1000, 16)
+    fitting = make_plan(session.planner, 500, 16)  # too_long's length depends on what the ranks hold
     assert all(r.fits for r in fitting.ranks) and not fitting.refusal
     # K/V scale with the context; the weights do not
     assert plan.ranks[0].kv_bytes > 10 * fitting.ranks[0].kv_bytes

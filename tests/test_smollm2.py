@@ -118,6 +118,8 @@ def test_a_chat_answers_as_mlx_lm_does(clusters, smollm2, reference, tokenizer):
 def test_a_document_question_through_every_algorithm(clusters, smollm2, reference, tokenizer, ranks):
     ids = chat_ids(tokenizer, document(tokenizer, 450) + "\n\nWhich BLAS does cpchat prefer on Linux?")
     cluster = clusters.get(ranks, smollm2)
+    # every Q4_1 matrix (7 a layer, and the tied head) multiplies from its stored bytes, on every rank
+    assert [r.products for r in cluster.ranks] == [{"packed": 7 * 30 + 1, "float32": 0}] * ranks
     for algorithm in ALGORITHMS:
         cluster.reset(0)
         got, _, _ = run_raw(cluster, smollm2, ids, algorithm, MAX_TOKENS)
@@ -131,6 +133,9 @@ def test_pipeline_stages_answer_as_mlx_lm(clusters, smollm2, reference, tokenize
     cluster = clusters.get(stages * ring, smollm2, stages=Stages(stages))
     assert [r.layers for r in cluster.ranks[::ring]] == [(i * 30 // stages, (i + 1) * 30 // stages)
                                                         for i in range(stages)]
+    for r in cluster.ranks:  # a stage's matrices (and the embedding, where it holds it) packed
+        assert r.products["float32"] == 0 and r.products["packed"] in (7 * (r.layers[1] - r.layers[0]) + e
+                                                                       for e in (0, 1))
     got, _, _ = run_raw(cluster, smollm2, ids, "auto", MAX_TOKENS)
     assert_as_mlx_lm(got, reference, ids)
 

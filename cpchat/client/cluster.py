@@ -294,6 +294,8 @@ class Cluster:
             r.state = "ready"
             r.stage, r.layers = last.pipeline_stage, (last.first_layer, last.end_layer or last.num_layers)
             r.weight_bytes, r.state_layers = last.weight_bytes, last.state_layers
+            r.products = {"packed": last.packed_layers, "float32": last.float32_layers}
+            r.products_note = last.products_note
             with lock:
                 done[0] += 1
                 if on_progress:

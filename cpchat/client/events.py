@@ -22,6 +22,10 @@ class RankAddress:
     stage: int = 0  # the pipeline stage it runs (--stages)
     layers: tuple[int, int] = (0, 0)  # the layers [first, last + 1] it runs
     weight_bytes: int = 0  # the weights it holds, as MLX counts them
+    # its low-precision layers by how their CPU products run: "packed" (from the stored bytes) or
+    # "float32"; with `products_note`, why none is packed where the kernels cannot run
+    products: dict[str, int] = field(default_factory=dict)
+    products_note: str = ""
 
 
 @dataclass

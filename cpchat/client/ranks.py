@@ -75,6 +75,8 @@ class RankHandle:
     layers: tuple[int, int] = (0, 0)  # from LoadModel: the layers [first, end) it runs
     weight_bytes: int = 0  # from LoadModel: the weights it holds
     state_layers: int = 0  # from LoadModel: of its layers, those with a recurrent state
+    products: dict[str, int] = field(default_factory=dict)  # from LoadModel: its layers by product path
+    products_note: str = ""  # from LoadModel: why none is packed, where the kernels cannot run
 
     @property
     def host(self) -> str:

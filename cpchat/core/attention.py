@@ -29,6 +29,7 @@ so low-precision models round once.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import mlx.core as mx
@@ -118,22 +119,60 @@ def partial_attention(
 def _one_query(q: mx.array, k: mx.array, v: mx.array, q_pos: int, k_pos: np.ndarray, scale: float,
                window: int | None) -> tuple[mx.array, mx.array]:
     """`partial_attention` of one query position (a decode step's) in numpy, every score at once: none
-    of the tiles' fixed costs (6 heads over 2,048 keys: 0.2 ms a layer against the tiles' 0.43)."""
+    of the tiles' fixed costs (6 heads over 2,048 keys: 0.2 ms a layer against the tiles' 0.43); the
+    keys and values read as stored, by compiled kernels, where they can run."""
     B, Hq, _, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
-    qn = np.asarray(q.astype(mx.float32)).reshape(B, Hkv, Hq // Hkv, D) * scale
-    kn, vn = np.asarray(k.astype(mx.float32)), np.asarray(v.astype(mx.float32))
-    s = qn @ kn.swapaxes(-1, -2)  # [B, Hkv, groups, Lk]
     visible = _visible(np, np.array([q_pos]), k_pos, window)[0]
     if not visible.any():
         return mx.zeros((B, Hq, 1, Dv), mx.float32), mx.full((B, Hq, 1), _NEG_INF, mx.float32)
+    qn = np.asarray(q.astype(mx.float32)).reshape(B, Hkv, Hq // Hkv, D)
+    kernel = one_query_kernel() if B == 1 and k.dtype == v.dtype and k.dtype in _STORED_KINDS else None
+    if kernel is not None:
+        kind, kn = _STORED_KINDS[k.dtype], _stored(k)[0]
+        s = np.empty((1, Hkv, Hq // Hkv, k.shape[2]), np.float32)
+        for h in range(Hkv):  # a head's rows are contiguous in the shard's buffer, its heads are not
+            kernel.keys_pass(qn[0, h], np.ascontiguousarray(kn[h]), kind, np.float32(scale), s[0, h])
+    else:
+        kn = np.asarray(k.astype(mx.float32))
+        s = (qn * scale) @ kn.swapaxes(-1, -2)  # [B, Hkv, groups, Lk]
     if not visible.all():
         s = np.where(visible, s, _NEG_INF)
     m = s.max(axis=-1, keepdims=True)
     p = _exp_shifted(np, s, m)
     denom = p.sum(axis=-1, keepdims=True)
-    out, lse = (p @ vn) / denom, m + np.log(denom)
+    if kernel is not None:
+        out, vn = np.empty((1, Hkv, Hq // Hkv, Dv), np.float32), _stored(v)[0]
+        for h in range(Hkv):
+            kernel.values_pass(p[0, h], np.ascontiguousarray(vn[h]), kind, out[0, h])
+    else:
+        out = p @ np.asarray(v.astype(mx.float32))
+    out, lse = out / denom, m + np.log(denom)
     return mx.array(out.reshape(B, Hq, 1, Dv)), mx.array(lse.reshape(B, Hq, 1))
+
+
+_STORED_KINDS = {mx.float32: 0, mx.bfloat16: 1, mx.float16: 2}  # one_query_kernel's FLOAT32, ...
+
+
+def _stored(x: mx.array) -> np.ndarray:
+    """A view of x's stored bytes: float32 as it is, 16-bit floats as uint16."""
+    return np.asarray(x if x.dtype == mx.float32 else x.view(mx.uint16))
+
+
+@functools.cache
+def one_query_kernel() -> ModuleType | None:
+    """The compiled kernels (cpchat.core.one_query_kernel), or None where numba cannot run."""
+    try:
+        from cpchat.core import one_query_kernel as kernel
+
+        q, s = np.ones((1, 4), np.float32), np.empty((1, 2), np.float32)
+        for kind, dtype in ((0, np.float32), (1, np.uint16), (2, np.uint16)):
+            kv = np.ones((2, 4), dtype)
+            kernel.keys_pass(q, kv, kind, np.float32(1), s)
+            kernel.values_pass(s, kv, kind, np.empty((1, 4), np.float32))
+        return kernel
+    except Exception:  # noqa: BLE001 (no numba, or it cannot compile here: numpy's way)
+        return None
 
 
 def attention_over_blocks(q: mx.array, blocks: list[tuple[mx.array, mx.array, np.ndarray]],

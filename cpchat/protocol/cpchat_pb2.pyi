@@ -114,7 +114,7 @@ class LoadModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., quantized_kv_start: _Optional[int] = ..., stages: _Optional[int] = ..., stage_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadProgress(_message.Message):
-    __slots__ = ("stage", "model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "bytes_per_element", "max_context", "value_dim", "state_layers", "kv_bits", "kv_group_size", "weight_bytes", "pipeline_stage", "first_layer", "end_layer")
+    __slots__ = ("stage", "model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "bytes_per_element", "max_context", "value_dim", "state_layers", "kv_bits", "kv_group_size", "weight_bytes", "pipeline_stage", "first_layer", "end_layer", "packed_layers", "float32_layers", "products_note")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,9 @@ class LoadProgress(_message.Message):
     PIPELINE_STAGE_FIELD_NUMBER: _ClassVar[int]
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
     END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    PACKED_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FLOAT32_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PRODUCTS_NOTE_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model_type: str
     num_layers: int
@@ -149,7 +152,10 @@ class LoadProgress(_message.Message):
     pipeline_stage: int
     first_layer: int
     end_layer: int
-    def __init__(self, stage: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bytes_per_element: _Optional[int] = ..., max_context: _Optional[int] = ..., value_dim: _Optional[int] = ..., state_layers: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., pipeline_stage: _Optional[int] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ...) -> None: ...
+    packed_layers: int
+    float32_layers: int
+    products_note: str
+    def __init__(self, stage: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bytes_per_element: _Optional[int] = ..., max_context: _Optional[int] = ..., value_dim: _Optional[int] = ..., state_layers: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., pipeline_stage: _Optional[int] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., packed_layers: _Optional[int] = ..., float32_layers: _Optional[int] = ..., products_note: _Optional[str] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
     __slots__ = ("probe_bytes", "rounds")

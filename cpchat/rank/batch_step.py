@@ -19,12 +19,12 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from cpchat.core.attention import add_sink, attention_over_blocks, merge_partials, partial_attention
+from cpchat.core.attention import add_sink, merge_partials, partial_attention
 from cpchat.core.quantized_kv import full_precision
 from cpchat.core.sharding import decode_owner
 from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.algorithms.decode import packed, unpacked
-from cpchat.rank.context_parallel import LAZY_DECODE_SCORES, Partial, ShardCache, empty_partial
+from cpchat.rank.context_parallel import Partial, ShardCache, empty_partial
 from cpchat.rank.engine import BadRequest, check_shares
 from cpchat.rank.fit import UnsupportedModel
 from cpchat.rank.kvstore import KVShard
@@ -170,8 +170,6 @@ class BatchPass:
         if k is None or len(k_pos) == 0:
             return empty_partial(q, value_dim)
         k, v, window, q_pos = full_precision(k), full_precision(v), self.windows[layer], [row.position]
-        if self.ring.size == 1 and q.shape[1] * len(k_pos) <= LAZY_DECODE_SCORES:
-            return attention_over_blocks(q, [(k, v, k_pos)], q_pos, scale, window)
         return partial_attention(q, k, v, q_pos, k_pos, scale, window=window)
 
     def _exchange(self, layer: int, mine: Partial) -> Partial:

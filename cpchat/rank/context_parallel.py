@@ -186,11 +186,13 @@ class RingPass:
 
     def attend_blocks(self, call: LayerCall, q: mx.array, q_pos: np.ndarray, blocks: list[Block]) -> Partial:
         """A rank alone's attention of `q` over blocks of keys (its shard's, and in a gather step the
-        other ranks'): a decode step's stays one lazy graph while its scores are few, as mlx-lm's does."""
+        other ranks'): a decode step's over several blocks stays one lazy graph while its scores are
+        few, as mlx-lm's does; over its own shard, the one-query kernels read the keys as stored."""
         blocks = [(full_precision(k), full_precision(v), p) for k, v, p in blocks if k is not None and len(p)]
         if not blocks:
             return empty_partial(q, call.value_dim)
-        if self.decoding and q.shape[1] * q.shape[2] * sum(len(p) for *_, p in blocks) <= LAZY_DECODE_SCORES:
+        scores = q.shape[1] * q.shape[2] * sum(len(p) for *_, p in blocks)
+        if len(blocks) > 1 and self.decoding and scores <= LAZY_DECODE_SCORES:
             return attention_over_blocks(q, blocks, q_pos, call.scale, call.window)
         return merge_partials([partial_attention(q, k, v, q_pos, p, call.scale, window=call.window)
                                for k, v, p in blocks])

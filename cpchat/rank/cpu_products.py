@@ -1,4 +1,8 @@
-"""Weight products of low-precision models in float32 on the CPU.
+"""Weight products of low-precision models on the CPU: which way each layer multiplies.
+
+Quantized layers the compiled kernels take multiply from their stored bytes (packed_weights);
+what follows is for the rest (bfloat16 and float16 weights, other quantized forms), and for every
+low-precision layer where the kernels cannot run.
 
 MLX's CPU backend multiplies bfloat16 and float16 matrices 15x slower than float32 through
 OpenBLAS, and quantized ones (bfloat16 scales) about 100x slower for a block of 256 tokens
@@ -20,7 +24,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-MIN_ROWS = 16  # tokens in a block from which float32 products pay off without a kept copy
+from cpchat.rank.packed_weights import MIN_ROWS, pack_model
+
 COPY_SHARE = 8  # a rank keeps float32 copies that take at most 1/8 of its free memory
 
 
@@ -101,6 +106,22 @@ def _low_precision(module: nn.Module) -> bool:
     if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         return module.mode == "affine"
     return module["weight"].dtype in (mx.bfloat16, mx.float16)
+
+
+@dataclass(frozen=True)
+class Products:
+    """How a model's low-precision layers multiply on the CPU, as `use_cpu_products` chose."""
+
+    packed: int = 0  # from their stored quantized bytes (packed_weights)
+    float32: int = 0  # in float32, as below
+    note: str = ""  # why none is packed, where the kernels cannot run here
+
+
+def use_cpu_products(model: nn.Module) -> Products:
+    """Quantized layers the kernels take multiply from their bytes; every other low-precision layer
+    in float32 for large blocks."""
+    packed, note = pack_model(model)
+    return Products(packed, use_float32_products(model), note)
 
 
 def use_float32_products(model: nn.Module) -> int:

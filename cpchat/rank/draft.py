@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 
 from cpchat.format import human_bytes
 from cpchat.rank import draft_cache
-from cpchat.rank.cpu_products import keep_float32_weights, use_float32_products
+from cpchat.rank.cpu_products import keep_float32_weights, use_cpu_products
 from cpchat.rank.model_load import local_model
 from cpchat.rank.prefix_cache import CacheMiss, Entry, shared_length
 from cpchat.rank.prefix_keeper import PrefixKeeper
@@ -49,7 +49,7 @@ class DraftModel:
             raise DraftModelError(f"draft model {name}: its weights take {human_bytes(self.weight_bytes)} "
                                   f"but this rank may hold {human_bytes(free)} more")
         mx.eval(self.model.parameters())
-        if mx.default_device() == mx.cpu and use_float32_products(self.model):
+        if mx.default_device() == mx.cpu and use_cpu_products(self.model).float32:
             mx.eval(self.model(mx.array([[0]])))  # marks a tied embedding as the output head
             keep_float32_weights(self.model, copy_budget)
         self.token_bytes = self._token_bytes()

@@ -13,9 +13,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from cpchat.checkpoints.resolve import is_checkpoint, model_dir
+from cpchat.core.attention import one_query_kernel
 from cpchat.core.quantized_kv import BITS, FULL_PRECISION, GROUP_SIZES, KVFormat
 from cpchat.rank import context_parallel, fit, latent_attention, linear_layers, stages
-from cpchat.rank.cpu_products import use_float32_products
+from cpchat.rank.cpu_products import Products, use_cpu_products
 from cpchat.rank.fit import Layer, LayerAttention, LayerElsewhere, LayerRecurrence, UnsupportedModel
 from cpchat.rank.forward import probe_forward
 from cpchat.rank.prefix_cache import model_identity
@@ -45,6 +46,7 @@ class ModelShape:
     identity: str = ""  # the model's files and the settings its K/V depend on (prefix_cache.model_identity)
     structure: str = ""  # its config and each weight's shape and dtype: what its speed depends on
     place: StagePlace = StagePlace()  # the layers this rank runs, as a pipeline stage
+    products: Products = Products()  # how its low-precision layers multiply on the CPU
 
     @property
     def linear(self) -> frozenset[int]:
@@ -99,8 +101,10 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION,
     max_positions = int(config.get("max_position_embeddings") or 0)
     exact_tokens = fit.fit_rotary(model, max_positions)
     usable = fit.usable_context(config)
+    products = Products()
     if mx.default_device() == mx.cpu:
-        use_float32_products(model)
+        products = use_cpu_products(model)
+        one_query_kernel()  # compiled (or read from numba's cache) now, not in the first decode step
     vocab_size = _vocab_size(model, config)
     layers = fit.describe_layers(model, probe_forward(model, vocab_size), range(stage.first, stage.end))
     first = next((layer for layer in layers if isinstance(layer, LayerAttention)), None)
@@ -123,6 +127,7 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION,
         latent=latent,
         kv_format=kv_format,
         place=stage,
+        products=products,
     )
     check_kv_format(info)
     settings = {"device": str(mx.default_device()), "kv_bytes": first.dtype_bytes,

@@ -102,6 +102,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             state_layers=len(info.linear), kv_bits=info.kv_format.bits,
             kv_group_size=info.kv_format.group_size, weight_bytes=self.s.engine.weight_bytes,
             pipeline_stage=info.place.stage, first_layer=info.place.first, end_layer=info.place.end,
+            packed_layers=info.products.packed, float32_layers=info.products.float32,
+            products_note=info.products.note,
         )
 
     def Calibrate(self, request, context):
