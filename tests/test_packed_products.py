@@ -58,8 +58,8 @@ def test_the_threads_share_the_outputs_exactly(bits):
     x = np.random.default_rng(0).standard_normal((2, 512)).astype(np.float32)
     xsum = x.reshape(2, -1, 64).sum(-1)
     alone, shared = (np.empty((2, 1000), np.float32) for _ in range(2))
-    packed_kernels.products(v.packed, v.scales, v.biases, v.kind, v.bits, x, xsum, alone)
-    packed_kernels.products_parallel(v.packed, v.scales, v.biases, v.kind, v.bits, x, xsum, shared)
+    packed_kernels.products(v.packed, v.scales, v.biases, v.words, v.kind, v.bits, x, xsum, alone)
+    packed_kernels.products_parallel(v.packed, v.scales, v.biases, v.words, v.kind, v.bits, x, xsum, shared)
     assert np.array_equal(alone, shared)
 
 

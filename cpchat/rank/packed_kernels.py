@@ -1,6 +1,7 @@
 """Compiled CPU kernels for products straight from affine-quantized weights' stored bytes.
 
-A weight of O outputs and I inputs quantized in groups of `gs` inputs is kept *packed by column*:
+A weight of O outputs and I inputs quantized in groups of `gs` inputs is kept *packed by column*,
+in blocks of BLOCK outputs stored one after another (each read in one sweep): in a block,
 `packed[k, o]` is the k-th 32-bit word of output o's row (8 four-bit or 4 eight-bit values, the
 lowest bits first, as MLX packs them), `scales[g, o]` and `biases[g, o]` its group g's affine
 terms, so that w[o, i] = scales[g, o] * q[o, i] + biases[g, o]. Then for one input row x
@@ -77,17 +78,25 @@ def _scale_add(acc, part, s, b, xg):
 
 
 @_jit
-def _product_block(packed, scales, biases, kind, bits, x, xsum, y, lo, hi):
-    words, groups, rows = packed.shape[0], scales.shape[0], x.shape[0]
+def _block(flat, rows, lo, hi):
+    """Outputs [lo, hi) of a weight stored block after block: their [rows, hi - lo] array."""
+    return flat[lo * rows:hi * rows].reshape(rows, hi - lo)
+
+
+@_jit
+def _product_block(packed, scales, biases, words, kind, bits, x, xsum, y, lo, hi):
+    groups, rows = xsum.shape[1], x.shape[0]
     per_group = words // groups
     per_word = 32 // bits
+    packed, scales, biases = (_block(packed, words, lo, hi), _block(scales, groups, lo, hi),
+                              _block(biases, groups, lo, hi))
     acc = np.zeros((rows, hi - lo), np.float32)
     part = np.zeros((rows, hi - lo), np.float32)
     s_bits = np.empty(hi - lo, np.uint32)
     b_bits = np.empty(hi - lo, np.uint32)
     for g in range(groups):
         for k in range(g * per_group, (g + 1) * per_group):
-            w = packed[k, lo:hi]
+            w = packed[k]
             j = k * per_word
             for r in range(rows):  # x's values passed by value: the compiler keeps them in registers
                 xr = x[r]
@@ -96,44 +105,46 @@ def _product_block(packed, scales, biases, kind, bits, x, xsum, y, lo, hi):
                             xr[j + 4], xr[j + 5], xr[j + 6], xr[j + 7])
                 else:
                     _words8(w, part[r], xr[j], xr[j + 1], xr[j + 2], xr[j + 3])
-        s = _widen(scales[g, lo:hi], s_bits, kind)
-        b = _widen(biases[g, lo:hi], b_bits, kind)
+        s = _widen(scales[g], s_bits, kind)
+        b = _widen(biases[g], b_bits, kind)
         for r in range(rows):
             _scale_add(acc[r], part[r], s, b, xsum[r, g])
     y[:, lo:hi] = acc
 
 
 @_jit
-def products(packed, scales, biases, kind, bits, x, xsum, y):
+def products(packed, scales, biases, words, kind, bits, x, xsum, y):
     """y[r] = W x[r] for the few rows of x (float32 [R, I]; xsum [R, G] its group sums), on this
     thread."""
-    outputs = packed.shape[1]
+    outputs = y.shape[1]
     for lo in range(0, outputs, BLOCK):
-        _product_block(packed, scales, biases, kind, bits, x, xsum, y, lo, min(outputs, lo + BLOCK))
+        _product_block(packed, scales, biases, words, kind, bits, x, xsum, y, lo, min(outputs, lo + BLOCK))
 
 
 @nb.njit(fastmath=True, boundscheck=False, cache=True, nogil=True, parallel=True)
-def products_parallel(packed, scales, biases, kind, bits, x, xsum, y):
+def products_parallel(packed, scales, biases, words, kind, bits, x, xsum, y):
     """`products` with the blocks of outputs shared over numba's threads."""
-    outputs = packed.shape[1]
+    outputs = y.shape[1]
     for b in nb.prange((outputs + BLOCK - 1) // BLOCK):
         lo = b * BLOCK
-        _product_block(packed, scales, biases, kind, bits, x, xsum, y, lo, min(outputs, lo + BLOCK))
+        _product_block(packed, scales, biases, words, kind, bits, x, xsum, y, lo, min(outputs, lo + BLOCK))
 
 
 @_jit
-def _dequantize_block(packed, scales, biases, kind, bits, out, lo, hi):
-    words, groups = packed.shape[0], scales.shape[0]
+def _dequantize_block(packed, scales, biases, words, kind, bits, out, lo, hi):
+    groups = scales.size * words // packed.size
     per_group = words // groups
     per_word = 32 // bits
     mask = np.int32((1 << bits) - 1)
+    packed, scales, biases = (_block(packed, words, lo, hi), _block(scales, groups, lo, hi),
+                              _block(biases, groups, lo, hi))
     s_bits = np.empty(hi - lo, np.uint32)
     b_bits = np.empty(hi - lo, np.uint32)
     for g in range(groups):
-        s = _widen(scales[g, lo:hi], s_bits, kind)
-        b = _widen(biases[g, lo:hi], b_bits, kind)
+        s = _widen(scales[g], s_bits, kind)
+        b = _widen(biases[g], b_bits, kind)
         for k in range(g * per_group, (g + 1) * per_group):
-            w = packed[k, lo:hi]
+            w = packed[k]
             for n in range(per_word):
                 row = out[k * per_word + n, lo:hi]
                 shift = np.int32(n * bits)
@@ -142,9 +153,9 @@ def _dequantize_block(packed, scales, biases, kind, bits, out, lo, hi):
 
 
 @nb.njit(fastmath=True, boundscheck=False, cache=True, nogil=True, parallel=True)
-def dequantize_parallel(packed, scales, biases, kind, bits, out):
+def dequantize_parallel(packed, scales, biases, words, kind, bits, out):
     """out[i, o] = w[o, i] in float32 (the transposed weight, [I, O]) for a block's products."""
-    outputs = packed.shape[1]
+    outputs = out.shape[1]
     for b in nb.prange((outputs + BLOCK - 1) // BLOCK):
         lo = b * BLOCK
-        _dequantize_block(packed, scales, biases, kind, bits, out, lo, min(outputs, lo + BLOCK))
+        _dequantize_block(packed, scales, biases, words, kind, bits, out, lo, min(outputs, lo + BLOCK))

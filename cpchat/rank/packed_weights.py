@@ -55,28 +55,54 @@ def _warm(kernels: ModuleType) -> None:
     for dtype in (np.float32, np.uint16):
         for kind in ((0,) if dtype == np.float32 else (1, 2)):
             for bits in (4, 8):
-                packed = np.zeros((32 * bits // 32, 2), np.int32)
-                affine = np.zeros((1, 2), dtype)
+                words = bits  # a group of 32 values
+                packed, affine = np.zeros(2 * words, np.int32), np.zeros(2, dtype)
                 y = np.empty((1, 2), np.float32)
                 for product in (kernels.products, kernels.products_parallel):
-                    product(packed, affine, affine, kind, bits, x, x[:, :1], y)
-                kernels.dequantize_parallel(packed, affine, affine, kind, bits, np.empty((32, 2), np.float32))
+                    product(packed, affine, affine, words, kind, bits, x, x[:, :1], y)
+                out = np.empty((32, 2), np.float32)
+                kernels.dequantize_parallel(packed, affine, affine, words, kind, bits, out)
 
 
 @dataclass
 class _Views:
-    """numpy views (no copies) of a packed layer's MLX arrays, for the kernels."""
+    """numpy views (no copies) of a packed layer's MLX arrays, for the kernels (packed_kernels: block
+    after block of BLOCK outputs, each by column)."""
 
-    packed: np.ndarray  # int32 [words, outputs]
-    scales: np.ndarray  # [groups, outputs]: float32, or bfloat16/float16 as uint16
+    packed: np.ndarray  # int32, `words` a row
+    scales: np.ndarray  # float32, or bfloat16/float16 as uint16, a group's a row
     biases: np.ndarray
     kind: int
     bits: int
     group_size: int
+    outputs: int
+
+    @property
+    def words(self) -> int:
+        return self.packed.size // self.outputs
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.packed.shape[1], self.packed.shape[0] * 32 // self.bits
+        return self.outputs, self.words * 32 // self.bits
+
+    def rows(self, flat: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Rows `ids` of one of the arrays (`flat`), as MLX lays them out: [len(ids), its columns]."""
+        columns, block = flat.size // self.outputs, _block()
+        lo = ids // block * block
+        width = np.minimum(block, self.outputs - lo)
+        at = (lo * columns)[:, None] + np.arange(columns)[None, :] * width[:, None] + (ids - lo)[:, None]
+        return flat[at]
+
+
+def _block() -> int:
+    return status()[0].BLOCK
+
+
+def _by_blocks(a: mx.array) -> mx.array:
+    """[O, C] as the kernels keep it: blocks of BLOCK rows, each transposed, one after another."""
+    block = _block()
+    return mx.concatenate([mx.contiguous(a[lo:lo + block].T).reshape(-1)
+                           for lo in range(0, a.shape[0], block)])
 
 
 def packable(module: nn.Module) -> bool:
@@ -89,16 +115,17 @@ def pack(module: nn.Module) -> None:
     """Repack `module`'s weight by column in place of MLX's layout and give it the packed class."""
     scale_dtype = module["scales"].dtype
     as_stored = (lambda a: a) if scale_dtype == mx.float32 else (lambda a: a.view(mx.uint16))
-    arrays = {"packed": mx.contiguous(module["weight"].view(mx.int32).T),
-              "packed_scales": mx.contiguous(as_stored(module["scales"]).T),
-              "packed_biases": mx.contiguous(as_stored(module["biases"]).T)}
+    outputs = module["weight"].shape[0]
+    arrays = {"packed": _by_blocks(module["weight"].view(mx.int32)),
+              "packed_scales": _by_blocks(as_stored(module["scales"])),
+              "packed_biases": _by_blocks(as_stored(module["biases"]))}
     mx.eval(arrays)
     for name in ("weight", "scales", "biases"):
         del module[name]
     for name, array in arrays.items():
         module[name] = array
     module._views = _Views(*(np.asarray(arrays[n]) for n in arrays), _SCALE_KINDS[scale_dtype],
-                           module.bits, module.group_size)
+                           module.bits, module.group_size, outputs)
     module._out_dtype = scale_dtype  # an embedding's lookup returns it, as MLX's does
     module.__class__ = PackedQuantizedEmbedding if isinstance(module, nn.QuantizedEmbedding) \
         else PackedQuantizedLinear
@@ -114,9 +141,9 @@ def _rows_product(v: _Views, x: np.ndarray) -> np.ndarray:
     xsum = x.reshape(rows, -1, v.group_size).sum(-1)
     if _threads() > 1 and v.packed.size * 32 // v.bits >= PARALLEL_WEIGHTS:
         with _parallel:
-            kernels.products_parallel(v.packed, v.scales, v.biases, v.kind, v.bits, x, xsum, y)
+            kernels.products_parallel(v.packed, v.scales, v.biases, v.words, v.kind, v.bits, x, xsum, y)
     else:
-        kernels.products(v.packed, v.scales, v.biases, v.kind, v.bits, x, xsum, y)
+        kernels.products(v.packed, v.scales, v.biases, v.words, v.kind, v.bits, x, xsum, y)
     return y
 
 
@@ -135,7 +162,7 @@ def _dequantize(v: _Views, out: np.ndarray | None = None) -> np.ndarray:
     out = np.empty((inputs, outputs), np.float32) if out is None else out
     kernels, _ = status()
     with _parallel:
-        kernels.dequantize_parallel(v.packed, v.scales, v.biases, v.kind, v.bits, out)
+        kernels.dequantize_parallel(v.packed, v.scales, v.biases, v.words, v.kind, v.bits, out)
     return out
 
 
@@ -173,14 +200,15 @@ class PackedQuantizedEmbedding(nn.QuantizedEmbedding):
     as the tied output head, products as above (its buffer, the model's largest, is not kept)."""
 
     def __call__(self, ids: mx.array) -> mx.array:
-        flat = ids.reshape(-1)
+        v: _Views = self._views
+        flat = np.asarray(ids).reshape(-1).astype(np.int64)
 
-        def rows(name: str, dtype: mx.Dtype) -> mx.array:
-            return mx.contiguous(mx.take(self[name], flat, axis=1).T).view(dtype)
+        def rows(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
+            return mx.array(v.rows(array, flat)).view(dtype)
 
         dtype = self._out_dtype
-        out = mx.dequantize(rows("packed", mx.uint32), rows("packed_scales", dtype),
-                            rows("packed_biases", dtype), group_size=self.group_size, bits=self.bits)
+        out = mx.dequantize(rows(v.packed, mx.uint32), rows(v.scales, dtype), rows(v.biases, dtype),
+                            group_size=self.group_size, bits=self.bits)
         return out.reshape(*ids.shape, -1)
 
     def as_linear(self, x: mx.array) -> mx.array:
