@@ -151,12 +151,14 @@ def _one_query(q: mx.array, k: mx.array, v: mx.array, q_pos: int, k_pos: np.ndar
     return mx.array(out.reshape(B, Hq, 1, Dv)), mx.array(lse.reshape(B, Hq, 1))
 
 
-_STORED_KINDS = {mx.float32: 0, mx.bfloat16: 1, mx.float16: 2}  # one_query_kernel's FLOAT32, ...
+# K/V the kernels read as stored (one_query_kernel's BFLOAT16, FLOAT16); float32 ones go to numpy's
+# BLAS as they are, about as fast, and a float32 model's rank need not load numba (70 MB)
+_STORED_KINDS = {mx.bfloat16: 1, mx.float16: 2}
 
 
 def _stored(x: mx.array) -> np.ndarray:
-    """A view of x's stored bytes: float32 as it is, 16-bit floats as uint16."""
-    return np.asarray(x if x.dtype == mx.float32 else x.view(mx.uint16))
+    """A view of x's stored bytes (16-bit floats as uint16)."""
+    return np.asarray(x.view(mx.uint16))
 
 
 @functools.cache
@@ -166,8 +168,8 @@ def one_query_kernel() -> ModuleType | None:
         from cpchat.core import one_query_kernel as kernel
 
         q, s = np.ones((1, 4), np.float32), np.empty((1, 2), np.float32)
-        for kind, dtype in ((0, np.float32), (1, np.uint16), (2, np.uint16)):
-            kv = np.ones((2, 4), dtype)
+        for kind in (kernel.BFLOAT16, kernel.FLOAT16):
+            kv = np.ones((2, 4), np.uint16)
             kernel.keys_pass(q, kv, kind, np.float32(1), s)
             kernel.values_pass(s, kv, kind, np.empty((1, 4), np.float32))
         return kernel

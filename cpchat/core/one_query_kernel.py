@@ -1,8 +1,8 @@
 """A decode step's attention (one query position) straight from the stored keys and values.
 
-Keys and values are read once, in the dtype the K/V shard keeps (float32, or bfloat16 / float16 as
-their 16 bits, widened a row at a time), every query head of a KV head scored from the same key row:
-no float32 copy of the shard, and none of MLX's per-operation costs. The softmax's exp stays numpy's
+Keys and values are read once, in the 16-bit dtype the K/V shard keeps (bfloat16 or float16, widened
+a few rows at a time), every query head of a KV head scored from the same key row: no float32 copy
+of the shard, and none of MLX's per-operation costs. The softmax's exp stays numpy's
 (vectorized; numba's is scalar here), between the kernel's two passes:
 
     s[h, j] = scale * q[h] . k[j]          (keys_pass)
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-FLOAT32, BFLOAT16, FLOAT16 = 0, 1, 2
+BFLOAT16, FLOAT16 = 1, 2
 _F16_RESCALE = np.float32(2.0 ** 112)
 
 _jit = nb.njit(fastmath=True, boundscheck=False, cache=True, nogil=True)
@@ -26,9 +26,6 @@ CHUNK = 64  # key rows widened at a time, into a scratch that stays in L1
 @_jit
 def _widen(src, out, kind):
     """Stored rows as float32, into `out` (the same shape)."""
-    if kind == FLOAT32:
-        out[:] = src
-        return
     bits = out.view(np.uint32)
     for j in range(src.shape[0]):
         for d in range(src.shape[1]):
@@ -70,11 +67,8 @@ def keys_pass(q, k, kind, scale, scores):
     rows = np.empty((CHUNK, q.shape[1]), np.float32)
     for j0 in range(0, k.shape[0], CHUNK):
         n = min(CHUNK, k.shape[0] - j0)
-        if kind == FLOAT32:
-            _scores(q, k[j0:j0 + n], scale, scores, j0)
-        else:
-            _widen(k[j0:j0 + n], rows[:n], kind)
-            _scores(q, rows[:n], scale, scores, j0)
+        _widen(k[j0:j0 + n], rows[:n], kind)
+        _scores(q, rows[:n], scale, scores, j0)
 
 
 @_jit
@@ -84,8 +78,5 @@ def values_pass(p, v, kind, out):
     out[:] = 0
     for j0 in range(0, p.shape[1], CHUNK):
         n = min(CHUNK, p.shape[1] - j0)
-        if kind == FLOAT32:
-            _weighted(p, v[j0:j0 + n], out, j0)
-        else:
-            _widen(v[j0:j0 + n], rows[:n], kind)
-            _weighted(p, rows[:n], out, j0)
+        _widen(v[j0:j0 + n], rows[:n], kind)
+        _weighted(p, rows[:n], out, j0)

@@ -101,10 +101,7 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION,
     max_positions = int(config.get("max_position_embeddings") or 0)
     exact_tokens = fit.fit_rotary(model, max_positions)
     usable = fit.usable_context(config)
-    products = Products()
-    if mx.default_device() == mx.cpu:
-        products = use_cpu_products(model)
-        one_query_kernel()  # compiled (or read from numba's cache) now, not in the first decode step
+    products = use_cpu_products(model) if mx.default_device() == mx.cpu else Products()
     vocab_size = _vocab_size(model, config)
     layers = fit.describe_layers(model, probe_forward(model, vocab_size), range(stage.first, stage.end))
     first = next((layer for layer in layers if isinstance(layer, LayerAttention)), None)
@@ -113,6 +110,8 @@ def load_model(name: str, kv_format: KVFormat = FULL_PRECISION,
         raise stages.StagesRefused(f"{name}: layers {stage.first}-{stage.end - 1} keep recurrent states "
                                    "only; every stage needs a layer that attends over keys and values: "
                                    "give --stages layer counts that do")
+    if mx.default_device() == mx.cpu and first.dtype_bytes == 2:
+        one_query_kernel()  # compiled (or read from numba's cache) now, not in the first decode step
     info = ModelShape(
         model_type=config.get("model_type", fit.model_name(model)),
         num_layers=len(layers),
