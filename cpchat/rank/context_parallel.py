@@ -187,7 +187,7 @@ class RingPass:
     def attend_blocks(self, call: LayerCall, q: mx.array, q_pos: np.ndarray, blocks: list[Block]) -> Partial:
         """A rank alone's attention of `q` over blocks of keys (its shard's, and in a gather step the
         other ranks'): a decode step's over several blocks stays one lazy graph while its scores are
-        few, as mlx-lm's does; over its own shard, the one-query kernels read the keys as stored."""
+        few, as mlx-lm's does; over its own shard, every score at once (core.attention._one_query)."""
         blocks = [(full_precision(k), full_precision(v), p) for k, v, p in blocks if k is not None and len(p)]
         if not blocks:
             return empty_partial(q, call.value_dim)
