@@ -14,28 +14,17 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-BFLOAT16, FLOAT16 = 1, 2
-_F16_RESCALE = np.float32(2.0 ** 112)
+from cpchat.core.half_floats import BFLOAT16, FLOAT16, widen  # noqa: F401 (the kinds callers pass)
 
 _jit = nb.njit(fastmath=True, boundscheck=False, cache=True, nogil=True)
-
 
 CHUNK = 64  # key rows widened at a time, into a scratch that stays in L1
 
 
 @_jit
 def _widen(src, out, kind):
-    """Stored rows as float32, into `out` (the same shape)."""
-    bits = out.view(np.uint32)
-    for j in range(src.shape[0]):
-        for d in range(src.shape[1]):
-            u = np.uint32(src[j, d])
-            bits[j, d] = u << np.uint32(16) if kind == BFLOAT16 else (u & np.uint32(0x7FFF)) << np.uint32(13)
-    if kind == FLOAT16:  # the magnitude's bits shifted into place, rescaled (exact), the sign set
-        for j in range(src.shape[0]):
-            for d in range(src.shape[1]):
-                v = out[j, d] * _F16_RESCALE
-                out[j, d] = -v if np.uint32(src[j, d]) & np.uint32(0x8000) else v
+    """Stored rows as float32, into `out` (the same shape): one sweep over the chunk."""
+    widen(src.reshape(-1), out.reshape(-1), kind)
 
 
 @_jit

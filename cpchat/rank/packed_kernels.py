@@ -21,35 +21,15 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from cpchat.core.half_floats import widen
+
 BLOCK = 128  # outputs a task: its rows' partial sums stay in L1
-SCALE_FLOAT32, SCALE_BFLOAT16, SCALE_FLOAT16 = 0, 1, 2
-_F16_RESCALE = np.float32(2.0 ** 112)  # float16's exponent bias (15) against float32's (127)
 
 _jit = nb.njit(fastmath=True, boundscheck=False, cache=True, nogil=True)
 
 
 def set_threads(threads: int) -> None:
     nb.set_num_threads(max(1, min(threads, nb.config.NUMBA_NUM_THREADS)))
-
-
-@_jit
-def _widen(src, bits, kind):
-    """Stored scales or biases of one block as float32 (`bits` is the float32 result's scratch)."""
-    out = bits.view(np.float32)
-    if kind == SCALE_FLOAT32:
-        for o in range(src.size):
-            out[o] = np.float32(src[o])
-        return out
-    if kind == SCALE_BFLOAT16:
-        for o in range(src.size):
-            bits[o] = np.uint32(src[o]) << np.uint32(16)
-        return out
-    for o in range(src.size):  # float16: the magnitude's bits shifted into place, rescaled (exact)
-        bits[o] = (np.uint32(src[o]) & np.uint32(0x7FFF)) << np.uint32(13)
-    for o in range(src.size):
-        v = out[o] * _F16_RESCALE
-        out[o] = -v if np.uint32(src[o]) & np.uint32(0x8000) else v
-    return out
 
 
 @_jit
@@ -92,8 +72,8 @@ def _product_block(packed, scales, biases, words, kind, bits, x, xsum, y, lo, hi
                               _block(biases, groups, lo, hi))
     acc = np.zeros((rows, hi - lo), np.float32)
     part = np.zeros((rows, hi - lo), np.float32)
-    s_bits = np.empty(hi - lo, np.uint32)
-    b_bits = np.empty(hi - lo, np.uint32)
+    s = np.empty(hi - lo, np.float32)
+    b = np.empty(hi - lo, np.float32)
     for g in range(groups):
         for k in range(g * per_group, (g + 1) * per_group):
             w = packed[k]
@@ -105,8 +85,8 @@ def _product_block(packed, scales, biases, words, kind, bits, x, xsum, y, lo, hi
                             xr[j + 4], xr[j + 5], xr[j + 6], xr[j + 7])
                 else:
                     _words8(w, part[r], xr[j], xr[j + 1], xr[j + 2], xr[j + 3])
-        s = _widen(scales[g], s_bits, kind)
-        b = _widen(biases[g], b_bits, kind)
+        widen(scales[g], s, kind)
+        widen(biases[g], b, kind)
         for r in range(rows):
             _scale_add(acc[r], part[r], s, b, xsum[r, g])
     y[:, lo:hi] = acc
@@ -138,11 +118,11 @@ def _dequantize_block(packed, scales, biases, words, kind, bits, out, lo, hi):
     mask = np.int32((1 << bits) - 1)
     packed, scales, biases = (_block(packed, words, lo, hi), _block(scales, groups, lo, hi),
                               _block(biases, groups, lo, hi))
-    s_bits = np.empty(hi - lo, np.uint32)
-    b_bits = np.empty(hi - lo, np.uint32)
+    s = np.empty(hi - lo, np.float32)
+    b = np.empty(hi - lo, np.float32)
     for g in range(groups):
-        s = _widen(scales[g], s_bits, kind)
-        b = _widen(biases[g], b_bits, kind)
+        widen(scales[g], s, kind)
+        widen(biases[g], b, kind)
         for k in range(g * per_group, (g + 1) * per_group):
             w = packed[k]
             for n in range(per_word):

@@ -7,7 +7,7 @@ kept only so: a decode step's few rows multiply it in compiled kernels that read
 for all rows; a prefill block's many rows dequantize it into one float32 buffer per shape, reused
 by every layer, and multiply that on the BLAS.
 
-The compiled kernels are numba's, cached on disk the first time (a few seconds); where numba cannot
+The compiled kernels are numba's, cached on disk the first time (about 25 s on 2 cores); where numba cannot
 be imported or compiled the layers stay as they were, and `status()` says why.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -52,16 +51,15 @@ def _warm(kernels: ModuleType) -> None:
     """Compile (or load from cache) every kernel for every scale dtype, on tiny weights, so that no
     request pays for it."""
     x = np.ones((1, 32), np.float32)
-    for dtype in (np.float32, np.uint16):
-        for kind in ((0,) if dtype == np.float32 else (1, 2)):
-            for bits in (4, 8):
-                words = bits  # a group of 32 values
-                packed, affine = np.zeros(2 * words, np.int32), np.zeros(2, dtype)
-                y = np.empty((1, 2), np.float32)
-                for product in (kernels.products, kernels.products_parallel):
-                    product(packed, affine, affine, words, kind, bits, x, x[:, :1], y)
-                out = np.empty((32, 2), np.float32)
-                kernels.dequantize_parallel(packed, affine, affine, words, kind, bits, out)
+    for dtype, kind in ((np.float32, 0), (np.uint16, 1)):  # a signature a stored dtype
+        for bits in (4, 8):
+            words = bits  # a group of 32 values
+            packed, affine = np.zeros(2 * words, np.int32), np.zeros(2, dtype)
+            y = np.empty((1, 2), np.float32)
+            for product in (kernels.products, kernels.products_parallel):
+                product(packed, affine, affine, words, kind, bits, x, x[:, :1], y)
+            out = np.empty((32, 2), np.float32)
+            kernels.dequantize_parallel(packed, affine, affine, words, kind, bits, out)
 
 
 @dataclass
@@ -215,9 +213,9 @@ class PackedQuantizedEmbedding(nn.QuantizedEmbedding):
         return packed_matmul(self._views, x, keep_buffer=False).astype(x.dtype)
 
 
-def pack_model(model: nn.Module, can_pack: Callable[[nn.Module], bool] = packable) -> tuple[int, str]:
+def pack_model(model: nn.Module) -> tuple[int, str]:
     """Pack every quantized layer the kernels take; how many, and why none where they cannot run."""
-    layers = [m for _, m in model.named_modules() if can_pack(m)]
+    layers = [m for _, m in model.named_modules() if packable(m)]
     if not layers:
         return 0, ""
     kernels, why = status()
