@@ -4,6 +4,8 @@ conversations in turn, each continued from memory as mlx-lm answers it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import DEMO_MODEL
 from helpers import VARIANTS, assert_same, prefill_event, random_prompt, raw_session
@@ -12,6 +14,7 @@ from references import MlxReference, reference_generate
 from cpchat.client.events import Token
 from cpchat.client.held import Held, HeldConversations
 from cpchat.core.quantized_kv import FULL_PRECISION, KVFormat
+from cpchat.protocol import cpchat_pb2 as pb
 from cpchat.rank.kvstore import KVShard
 from cpchat.rank.sequences import Sequence, why_not_keep
 from cpchat.smallmodels import write_model
@@ -131,3 +134,28 @@ def test_conversations_in_turn_each_continue_from_memory_as_mlx_lm(clusters, mod
     assert all(s.sequences == 3 for s in stats)
     if form == "llama":
         assert sum(s.kv_tokens for s in stats) == session.conversations.tokens  # each token once
+
+
+def test_a_cancel_that_reaches_one_rank_as_the_other_ends_leaves_them_agreeing(clusters, model_dir):
+    """A cancel that comes as a request ends may find one rank still in it (it rolls back to the tokens
+    kept) and the other done (it keeps the request's): the session brings both back to the tokens kept
+    and counts what they hold. The race is made here by rolling one real rank back, as its abort does."""
+    path = model_dir("llama")
+    cluster = clusters.get(2, path)
+    session = raw_session(cluster, path, "auto", 2)
+    list(session.generate(random_prompt(path, 41, seed=4)))
+    held = session.conversations.current
+    later = [*held.tokens, 7]  # a later turn, that keeps every token held
+    keep = held.kept(later)
+    list(session.generate(later))
+    assert sum(s.kv_tokens for s in cluster.stats_once()) == len(held.tokens) > keep
+    cluster.ranks[1].control.Reset(pb.ResetRequest(keep_tokens=keep, sequence=held.name),
+                                   metadata=cluster.metadata)  # what rank 1's abort does
+    results = cluster.last_results
+    results[1] = dataclasses.replace(results[1], done=dataclasses.replace(results[1].done, cached_tokens=keep,
+                                                                          cancelled=True))
+    agreed = session._agreed(results[0].done, held.name, keep)
+    assert agreed.cached_tokens == keep and agreed.cancelled
+    assert sum(s.kv_tokens for s in cluster.stats_once()) == keep, "every rank holds the tokens kept"
+    held.tokens = later[:keep]
+    assert [e for e in session.generate(later) if isinstance(e, Token)], "and the next turn runs on"

@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cpchat.client.batch import Answer
@@ -25,7 +25,14 @@ from cpchat.client.events import (
     Speculated,
     Token,
 )
-from cpchat.client.generation import GenerationDone, GenerationRequest, LayerDone, PrefillDone, TokenOut
+from cpchat.client.generation import (
+    GenerationDone,
+    GenerationRequest,
+    LayerDone,
+    PrefillDone,
+    RankDone,
+    TokenOut,
+)
 from cpchat.client.held import Held, HeldConversations, common_prefix
 from cpchat.client.memory import MemoryShortfall
 from cpchat.client.planner import Planner
@@ -241,6 +248,18 @@ class Session:
         held.keep_floor, held.state_positions = loaded.keep_floor, list(loaded.state_positions)
         return held.kept(full), choice
 
+    def _agreed(self, done: RankDone, name: str, keep: int) -> RankDone:
+        """After a cancel that reached some ranks as the others ended (those rolled back to `keep`, these
+        kept the request's tokens): every rank back to `keep`, or, where a sliding window no longer holds
+        what that needs, the conversation let go."""
+        dones = [res.done for res in self.cluster.last_results.values() if res.done]
+        if len({d.cached_tokens for d in dones}) <= 1:
+            return done
+        if max(d.keep_floor for d in dones) > keep:
+            keep = 0
+        self.cluster.reset(keep, name)  # 0: let it go
+        return replace(done, cached_tokens=keep, cancelled=True)
+
     def let_go(self, names: list[str]) -> None:
         """The ranks let these conversations go."""
         for name in names:
@@ -393,6 +412,8 @@ class Session:
                 yield Token(turn, event.id, detok.last_segment, event.logprob, event.top)
             elif isinstance(event, GenerationDone):
                 done = event.done
+        if self._cancel.is_set():
+            done = self._agreed(done, held.name, keep)
         held.tokens = (full + generated)[: done.cached_tokens]
         if request.save_prefix and not done.cancelled:
             held.saved = len(held.tokens)
